@@ -270,6 +270,16 @@ cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
     return 0
 
 
+cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil:
+    """Count a refusal decided without taking blocks; returns the free count."""
+    cdef Py_ssize_t n
+    pthread_mutex_lock(&p.lock)
+    p.refused += 1
+    n = p.n_free
+    pthread_mutex_unlock(&p.lock)
+    return n
+
+
 def _fork_before():
     # Take the registry lock, then every pool lock (lock order: registry,
     # then pools; pool operations never take the registry lock). Holders of a
@@ -785,9 +795,8 @@ cdef class KvCache:
         cdef Py_ssize_t n = _blocks_for(max_len, p.block_size)
         if n < 1:
             n = 1
-        if n > p.total:
-            p_refuse(p)
-            raise KvPoolExhausted(n, pool.free_blocks)
+        if n > p.total:            # before sizing a table for an impossible n
+            raise KvPoolExhausted(n, pool_refuse(p))
         _reserve_table(&self.c, n)
         cdef Py_ssize_t free_seen = 0
         cdef int rc
@@ -918,6 +927,8 @@ cdef class KvCache:
             return 0
         if p != NULL:
             nb = _blocks_for(need - self.c.cap, p.block_size)
+            if nb > p.total:
+                raise KvPoolExhausted(nb, pool_refuse(p))
             _reserve_table(&self.c, nb)
             if nb == 1:
                 rc = pool_take(p, 1, self.c.table + self.c.n_blocks, &free_seen)
@@ -1183,12 +1194,6 @@ cdef class KvCache:
         return (f"KvCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"v_head_dim={self.v_head_dim}, seq_len={self.c.len}, {kind}, "
                 f"capacity={self.c.cap}, blocks_held={self.c.n_blocks})")
-
-
-cdef void p_refuse(Pool* p) noexcept nogil:
-    pthread_mutex_lock(&p.lock)
-    p.refused += 1
-    pthread_mutex_unlock(&p.lock)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,276 @@
+"""Behaviour beyond the reference: extend, advance_len, views, v_head_dim,
+close/with, block tables against the arena, pool allocate/free and stats."""
+import gc
+
+import numpy as np
+import pytest
+
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+
+
+def make(kind, h, d, pool=None, max_len=0, vd=None):
+    if kind == "new":
+        return KvCache(h, d, v_head_dim=vd)
+    if kind == "capacity":
+        return KvCache.with_capacity(h, d, max_len, v_head_dim=vd)
+    return KvCache.with_pool(h, d, pool, max_len, v_head_dim=vd)
+
+
+KINDS = ["new", "capacity", "pool"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extend_appends_every_position_in_order(kind, make_rows):
+    pool = KvBlockPool(3, 20, 2, 4)
+    c = make(kind, 2, 4, pool, 5)
+    k, v = make_rows(10, 8, 1), make_rows(10, 8, 2)
+    c.push(k[0], v[0])
+    c.extend(k[1:7].reshape(6, 2, 4), v[1:7])        # both accepted shapes
+    c.extend(k[7:], v[7:])
+    np.testing.assert_array_equal(c.k.reshape(10, 8), k)
+    np.testing.assert_array_equal(c.v.reshape(10, 8), v)
+    if kind == "pool":
+        assert c.blocks_held == 4 and pool.free_blocks == 16
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extend_of_zero_positions_changes_nothing(kind):
+    pool = KvBlockPool(2, 4, 1, 2)
+    c = make(kind, 1, 2, pool, 2)
+    c.extend(np.zeros((0, 2), np.float32), np.zeros((0, 2), np.float32))
+    assert c.seq_len == 0 and pool.free_blocks == (3 if kind == "pool" else 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_advance_len_appends_zero_rows_even_into_reused_blocks(kind, make_rows):
+    pool = KvBlockPool(2, 2, 1, 2)
+    # dirty both blocks with data, give them back, then zero-advance into them
+    dirty = KvCache.with_pool(1, 2, pool, 4)
+    dirty.extend(make_rows(4, 2), make_rows(4, 2, 1))
+    dirty.release_to_pool()
+    c = make(kind, 1, 2, pool, 2)
+    c.push(np.ones(2, np.float32), np.ones(2, np.float32))
+    c.advance_len(3)
+    assert c.seq_len == 4
+    np.testing.assert_array_equal(c.k[1:].reshape(-1), np.zeros(6, np.float32))
+    np.testing.assert_array_equal(c.v[1:].reshape(-1), np.zeros(6, np.float32))
+    assert c.k[0].reshape(-1).tolist() == [1.0, 1.0]
+    c.advance_len(0)
+    assert c.seq_len == 4
+
+
+def test_advance_len_is_all_or_nothing_when_the_pool_runs_short():
+    pool = KvBlockPool(2, 2, 1, 1)
+    c = KvCache.with_pool(1, 1, pool, 2)
+    with pytest.raises(KvPoolExhausted) as ei:
+        c.advance_len(5)             # needs 2 more blocks, 1 free
+    assert ei.value.requested == 2 and ei.value.free == 1
+    assert c.seq_len == 0 and c.blocks_held == 1 and pool.free_blocks == 1
+    c.advance_len(4)
+    assert c.seq_len == 4 and pool.free_blocks == 0
+
+
+def test_split_v_head_dim_stores_each_width(make_rows):
+    pool = KvBlockPool(4, 8, 2, 6, v_head_dim=4)
+    for c in (KvCache(2, 6, v_head_dim=4), KvCache.with_pool(2, 6, pool, 3, v_head_dim=4)):
+        k, v = make_rows(5, 12), make_rows(5, 8, 3)
+        c.extend(k, v)
+        assert c.k.shape == (5, 2, 6) and c.v.shape == (5, 2, 4)
+        np.testing.assert_array_equal(c.v.reshape(5, 8), v)
+        np.testing.assert_array_equal(c.k.reshape(5, 12), k)
+    assert pool.value_blocks.shape == (8, 4, 2, 4)
+    assert pool.block_bytes == 4 * 2 * (6 + 4) * 4
+
+
+def test_view_keeps_its_old_buffer_alive_after_the_cache_grows_1000x(make_rows):
+    c = KvCache(2, 4)
+    first = make_rows(4, 8)
+    c.extend(first, first * 2)
+    kview, vview = c.k, c.v
+    assert not kview.flags.writeable
+    for i in range(4000):
+        c.push(np.full(8, i, np.float32), np.full(8, -i, np.float32))
+    gc.collect()
+    junk = [np.full(1 << 16, 7.0, np.float32) for _ in range(32)]  # reuse freed memory
+    np.testing.assert_array_equal(kview.reshape(4, 8), first)
+    np.testing.assert_array_equal(vview.reshape(4, 8), first * 2)
+    del c, junk
+    gc.collect()
+    np.testing.assert_array_equal(kview.reshape(4, 8), first)
+
+
+def test_view_survives_close_and_cache_deletion(make_rows):
+    c = KvCache.with_capacity(1, 4, 8)
+    data = make_rows(3, 4)
+    c.extend(data, data)
+    view = c.k
+    c.close()
+    assert c.seq_len == 0 and c.allocated_bytes() == 0
+    del c
+    gc.collect()
+    np.testing.assert_array_equal(view.reshape(3, 4), data)
+
+
+def test_pooled_k_is_a_gathered_copy_that_matches_the_arena(make_rows):
+    pool = KvBlockPool(2, 6, 1, 3)
+    other = KvCache.with_pool(1, 3, pool, 2)       # so the table is not 0, 1, 2
+    c = KvCache.with_pool(1, 3, pool, 5)
+    other.release_to_pool()
+    k, v = make_rows(5, 3), make_rows(5, 3, 9)
+    c.extend(k, v)
+    table = c.block_table
+    assert table.dtype == np.int32 and len(table) == 3
+    kb, vb = pool.key_blocks, pool.value_blocks
+    for r in range(5):
+        b, off = table[r // 2], r % 2
+        np.testing.assert_array_equal(kb[b, off].reshape(-1), k[r])
+        np.testing.assert_array_equal(vb[b, off].reshape(-1), v[r])
+    view = c.k
+    assert view.flags.writeable and view.flags.c_contiguous
+    view[:] = 0                                      # a copy: the cache is untouched
+    np.testing.assert_array_equal(c.k.reshape(5, 3), k)
+
+
+def test_arena_views_keep_the_pool_memory_alive(make_rows):
+    pool = KvBlockPool(2, 2, 1, 2)
+    c = KvCache.with_pool(1, 2, pool, 2)
+    c.extend(make_rows(2, 2), make_rows(2, 2, 1))
+    kb = pool.key_blocks
+    b = c.block_table[0]
+    expected = kb[b].copy()
+    del pool, c
+    gc.collect()
+    np.testing.assert_array_equal(kb[b], expected)
+    assert not kb.flags.writeable
+
+
+def test_cache_outlives_its_pool_object_and_still_returns_blocks(make_rows):
+    pool = KvBlockPool(2, 4, 1, 2)
+    c = KvCache.with_pool(1, 2, pool, 4)
+    blocks = pool.key_blocks
+    del pool
+    gc.collect()
+    c.extend(make_rows(4, 2), make_rows(4, 2))
+    c.push(np.ones(2, np.float32), np.ones(2, np.float32))     # takes a 3rd block
+    assert c.blocks_held == 3
+    np.testing.assert_array_equal(c.k.reshape(5, 2)[:4], make_rows(4, 2))
+    del c, blocks
+    gc.collect()
+
+
+def test_release_to_pool_keeps_rows_and_capacity_then_grows_unpooled(make_rows):
+    pool = KvBlockPool(4, 4, 1, 2)
+    c = KvCache.with_pool(1, 2, pool, 8)
+    k = make_rows(6, 2)
+    c.extend(k, -k)
+    before = c.allocated_bytes()
+    c.release_to_pool()
+    assert pool.free_blocks == 4 and not c.is_pooled and c.blocks_held == 0
+    assert c.allocated_bytes() == before and c.capacity == 8
+    np.testing.assert_array_equal(c.k.reshape(6, 2), k)
+    for i in range(20):
+        c.push(np.full(2, i, np.float32), np.full(2, i, np.float32))
+    assert c.seq_len == 26 and pool.free_blocks == 4
+    assert not c.is_within_planned_capacity()
+
+
+def test_truncate_keeps_blocks_so_regrowing_costs_none():
+    pool = KvBlockPool(2, 8, 1, 1)
+    c = KvCache.with_pool(1, 1, pool, 2)
+    c.advance_len(7)
+    held, free = c.blocks_held, pool.free_blocks
+    c.truncate(1)
+    assert c.blocks_held == held and pool.free_blocks == free
+    c.advance_len(6)
+    assert c.blocks_held == held and pool.free_blocks == free
+
+
+def test_with_block_returns_blocks_exactly_once():
+    pool = KvBlockPool(4, 4, 1, 1)
+    with KvCache.with_pool(1, 1, pool, 9) as c:
+        c.advance_len(9)
+        assert pool.free_blocks == 1
+    assert pool.free_blocks == 4 and c.seq_len == 0 and not c.is_pooled
+    c.close()
+    del c
+    gc.collect()
+    assert pool.free_blocks == 4 and pool.stats()["released"] == 3
+
+
+def test_is_within_planned_capacity_follows_the_current_length():
+    c = KvCache.with_capacity(1, 1, 2)
+    assert c.is_within_planned_capacity()
+    c.advance_len(3)
+    assert not c.is_within_planned_capacity()
+    c.truncate(2)
+    assert c.is_within_planned_capacity()
+    clone = c.copy()
+    assert clone.is_within_planned_capacity()
+    assert clone.allocated_bytes() == 2 * 2 * 4      # capacity == length
+    z = KvCache.with_capacity(1, 1, 0)
+    assert z.is_within_planned_capacity()
+    z.advance_len(1)
+    assert not z.is_within_planned_capacity()
+    assert not KvCache.with_pool(1, 1, KvBlockPool(1, 1, 1, 1), 0).is_within_planned_capacity()
+
+
+def test_push_converts_other_dtypes_and_layouts(make_rows):
+    c = KvCache(2, 3)
+    c.push([1, 2, 3, 4, 5, 6], np.arange(6, dtype=np.float64).reshape(2, 3))
+    c.push(np.arange(12, dtype=np.float32)[::2], np.arange(6, dtype=">f4"))
+    np.testing.assert_array_equal(c.k.reshape(2, 6), [[1, 2, 3, 4, 5, 6], [0, 2, 4, 6, 8, 10]])
+    np.testing.assert_array_equal(c.v.reshape(2, 6), [np.arange(6), np.arange(6)])
+
+
+def test_pool_stats_count_everything():
+    pool = KvBlockPool(2, 5, 1, 1)
+    a = KvCache.with_pool(1, 1, pool, 4)
+    b = KvCache.with_pool(1, 1, pool, 5)
+    with pytest.raises(KvPoolExhausted):
+        KvCache.with_pool(1, 1, pool, 1)
+    a.release_to_pool()
+    s = pool.stats()
+    assert s == {"total_blocks": 5, "free_blocks": 2, "used_blocks": 3, "high_water": 5,
+                 "acquired": 5, "released": 2, "refused": 1, "block_size": 2,
+                 "block_bytes": 16}
+    del b
+
+
+def test_pool_allocate_and_free_are_all_or_nothing():
+    pool = KvBlockPool(2, 4, 1, 1)
+    ids = pool.allocate(3)
+    assert sorted(ids.tolist()) == [0, 1, 2] and pool.free_blocks == 1
+    with pytest.raises(KvPoolExhausted):
+        pool.allocate(2)
+    with pytest.raises(ValueError, match="not held"):
+        pool.free([ids[0], ids[0]])                   # named twice, held once
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free([ids[0], 4])
+    assert pool.free_blocks == 1
+    pool.free(ids)
+    assert pool.free_blocks == 4
+    with pytest.raises(ValueError, match="not held"):
+        pool.free(ids)                                # double free refused
+    assert pool.free_blocks == 4
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="Linux /proc")
+def test_untouched_pool_blocks_cost_no_resident_memory():
+    rss0 = _rss_bytes()
+    pool = KvBlockPool(16, 16384, 8, 128)            # 2 GiB of K+V arena
+    assert pool.total_blocks * pool.block_bytes == 2 << 30
+    c = KvCache.with_pool(8, 128, pool, 64)
+    c.advance_len(64)                                # touches 4 blocks: 512 KiB
+    assert _rss_bytes() - rss0 < 64 << 20            # far less than the arena
+    del c
+
+
+def test_repr_names_geometry_and_state():
+    pool = KvBlockPool(4, 2, 1, 2)
+    c = KvCache.with_pool(1, 2, pool, 1)
+    assert "pooled" in repr(c) and "free_blocks=1" in repr(pool)

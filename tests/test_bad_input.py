@@ -1,0 +1,122 @@
+"""One table of bad inputs: each raises its specific exception and leaves the
+pool's counts and every cache's contents exactly as they were."""
+import numpy as np
+import pytest
+
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+
+H, D = 2, 4
+W = H * D
+
+
+def snapshot(pool, caches):
+    return (pool.stats(),
+            [(c.seq_len, c.blocks_held, c.capacity, c.is_pooled,
+              c.block_table.tolist(), c.k.copy(), c.v.copy()) for c in caches])
+
+
+def assert_same(a, b):
+    assert a[0] == b[0]
+    assert len(a[1]) == len(b[1])
+    for x, y in zip(a[1], b[1]):
+        assert x[:5] == y[:5]
+        np.testing.assert_array_equal(x[5], y[5])
+        np.testing.assert_array_equal(x[6], y[6])
+
+
+@pytest.fixture
+def world():
+    """A pool with 1 block free, and a cache of each kind holding data; the
+    pooled one is full, so its next position needs a block."""
+    pool = KvBlockPool(2, 4, H, D)
+    rng = np.random.default_rng(0)
+    caches = [KvCache(H, D), KvCache.with_capacity(H, D, 3),
+              KvCache.with_pool(H, D, pool, 4), KvCache.with_pool(H, D, pool, 1)]
+    for c in caches:
+        n = 4 if c.is_pooled and c.blocks_held == 2 else 2
+        c.extend(rng.standard_normal((n, W)).astype(np.float32),
+                 rng.standard_normal((n, W)).astype(np.float32))
+    assert pool.free_blocks == 1
+    drain = pool.allocate(1)           # now 0 free
+    return pool, caches, drain
+
+
+ok = np.zeros(W, np.float32)
+ok_steps = np.zeros((3, W), np.float32)
+
+# (id, callable(pool, caches), exception, message fragment)
+CASES = [
+    ("pool_block_size_zero", lambda p, cs: KvBlockPool(0, 4, H, D), ValueError, "block_size"),
+    ("pool_block_size_negative", lambda p, cs: KvBlockPool(-1, 4, H, D), ValueError, "block_size"),
+    ("pool_total_negative", lambda p, cs: KvBlockPool(2, -1, H, D), ValueError, "total_blocks"),
+    ("pool_heads_zero", lambda p, cs: KvBlockPool(2, 4, 0, D), ValueError, "n_kv_heads"),
+    ("pool_head_dim_negative", lambda p, cs: KvBlockPool(2, 4, H, -4), ValueError, "head_dim"),
+    ("pool_v_head_dim_zero", lambda p, cs: KvBlockPool(2, 4, H, D, v_head_dim=0), ValueError, "v_head_dim"),
+    ("pool_bytes_overflow", lambda p, cs: KvBlockPool(2**31, 2**31 - 1, 2**20, 2**20), ValueError, "overflow"),
+    ("pool_huge_int", lambda p, cs: KvBlockPool(2, 2**80, H, D), ValueError, "total_blocks"),
+    ("pool_float_size", lambda p, cs: KvBlockPool(2.5, 4, H, D), TypeError, "block_size"),
+    ("cache_heads_zero", lambda p, cs: KvCache(0, D), ValueError, "n_kv_heads"),
+    ("cache_head_dim_negative", lambda p, cs: KvCache(H, -1), ValueError, "head_dim"),
+    ("cache_row_overflow", lambda p, cs: KvCache(2**40, 2**40), ValueError, "overflow"),
+    ("capacity_negative", lambda p, cs: KvCache.with_capacity(H, D, -1), ValueError, "max_seq_len"),
+    ("capacity_bytes_overflow", lambda p, cs: KvCache.with_capacity(2**20, 2**20, 2**40), ValueError, "overflow"),
+    ("with_pool_negative", lambda p, cs: KvCache.with_pool(H, D, p, -3), ValueError, "max_seq_len"),
+    ("with_pool_geometry", lambda p, cs: KvCache.with_pool(H, D + 1, p, 1), ValueError, "geometry"),
+    ("with_pool_v_geometry", lambda p, cs: KvCache.with_pool(H, D, p, 1, v_head_dim=2), ValueError, "geometry"),
+    ("with_pool_exhausted", lambda p, cs: KvCache.with_pool(H, D, p, 1), KvPoolExhausted, "exhausted"),
+    ("with_pool_beyond_total", lambda p, cs: KvCache.with_pool(H, D, p, 10**12), KvPoolExhausted, "exhausted"),
+    ("with_pool_not_a_pool", lambda p, cs: KvCache.with_pool(H, D, "pool", 1), TypeError, "pool"),
+]
+for i in range(4):
+    CASES += [
+        (f"push_k_short[{i}]", lambda p, cs, i=i: cs[i].push(np.zeros(W - 1, np.float32), ok), ValueError, "k_step"),
+        (f"push_v_long[{i}]", lambda p, cs, i=i: cs[i].push(ok, np.zeros(W + 1)), ValueError, "v_step"),
+        (f"push_k_shape[{i}]", lambda p, cs, i=i: cs[i].push(np.zeros((D, H), np.float32), ok), ValueError, "k_step"),
+        (f"push_non_numeric[{i}]", lambda p, cs, i=i: cs[i].push(["a"] * W, ok), TypeError, "k_step"),
+        (f"push_object[{i}]", lambda p, cs, i=i: cs[i].push(ok, [object()] * W), TypeError, "v_step"),
+        (f"push_none[{i}]", lambda p, cs, i=i: cs[i].push(None, ok), TypeError, "k_step"),
+        (f"extend_shape[{i}]", lambda p, cs, i=i: cs[i].extend(np.zeros((3, W + 1), np.float32), ok_steps), ValueError, "k_steps"),
+        (f"extend_1d[{i}]", lambda p, cs, i=i: cs[i].extend(ok, ok), ValueError, "k_steps"),
+        (f"extend_counts_differ[{i}]", lambda p, cs, i=i: cs[i].extend(ok_steps, ok_steps[:2]), ValueError, "positions"),
+        (f"extend_non_numeric[{i}]", lambda p, cs, i=i: cs[i].extend(ok_steps, np.full((3, W), "x")), TypeError, "v_steps"),
+        (f"truncate_beyond[{i}]", lambda p, cs, i=i: cs[i].truncate(cs[i].seq_len + 1), ValueError, "must not exceed"),
+        (f"truncate_negative[{i}]", lambda p, cs, i=i: cs[i].truncate(-1), ValueError, ">= 0"),
+        (f"advance_negative[{i}]", lambda p, cs, i=i: cs[i].advance_len(-2), ValueError, "n must be"),
+        (f"advance_huge[{i}]", lambda p, cs, i=i: cs[i].advance_len(2**90), ValueError, "too large"),
+    ]
+# The pool has no free block: the full pooled cache cannot grow.
+CASES += [
+    ("pooled_push_exhausted", lambda p, cs: cs[3].push(ok, ok), KvPoolExhausted, "exhausted"),
+    ("pooled_extend_exhausted", lambda p, cs: cs[2].extend(ok_steps, ok_steps), KvPoolExhausted, "exhausted"),
+    ("pooled_advance_exhausted", lambda p, cs: cs[3].advance_len(1), KvPoolExhausted, "exhausted"),
+    ("pooled_advance_huge", lambda p, cs: cs[2].advance_len(10**12), KvPoolExhausted, "exhausted"),
+    ("pool_allocate_exhausted", lambda p, cs: p.allocate(1), KvPoolExhausted, "exhausted"),
+    ("pool_allocate_negative", lambda p, cs: p.allocate(-1), ValueError, "n must be"),
+    ("pool_free_unheld", lambda p, cs: p.free([cs[2].block_table[0], cs[2].block_table[0]]), ValueError, "not held"),
+    ("pool_free_out_of_range", lambda p, cs: p.free([99]), ValueError, "out of range"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_and_changes_nothing(world, case):
+    pool, caches, _ = world
+    _, call, exc, fragment = case
+    before = snapshot(pool, caches)
+    before_refused = before[0]["refused"]
+    with pytest.raises(exc, match=fragment):
+        call(pool, caches)
+    after = snapshot(pool, caches)
+    if exc is KvPoolExhausted:
+        # the one counter a refusal is meant to move
+        assert after[0]["refused"] == before_refused + 1
+        after[0]["refused"] = before_refused
+    assert_same(before, after)
+
+
+def test_exhausted_error_reports_requested_and_free(world):
+    pool, caches, drain = world
+    pool.free(drain)
+    with pytest.raises(KvPoolExhausted) as ei:
+        caches[2].extend(np.zeros((5, W), np.float32), np.zeros((5, W), np.float32))
+    assert (ei.value.requested, ei.value.free) == (3, 1)
+    assert caches[2].seq_len == 4 and pool.free_blocks == 1
