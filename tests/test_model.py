@@ -1,0 +1,198 @@
+"""Random sequences of every operation on several caches and one pool, checked
+after every step against a small pure-Python model of the same API."""
+import gc
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
+                                 invariant, precondition, rule)
+
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+
+H, D, VD = 1, 3, 2
+KW, VW = H * D, H * VD
+BS, TOTAL = 3, 10
+
+
+class Model:
+    """What one cache should look like."""
+
+    def __init__(self, pooled, blocks=0, plan=None):
+        self.k, self.v = [], []
+        self.pooled = pooled
+        self.blocks = blocks
+        self.plan = plan
+
+    @property
+    def cap_rows(self):
+        return self.blocks * BS
+
+
+class Slot:
+    """Holds a cache for the bundle, so that dropping it really frees it
+    (hypothesis keeps references to bundle values, not to what they hold)."""
+
+    def __init__(self, cache, model):
+        self.c, self.m = cache, model
+
+    def __iter__(self):
+        return iter((self.c, self.m))
+
+
+class CacheMachine(RuleBasedStateMachine):
+    caches = Bundle("caches")
+
+    def __init__(self):
+        super().__init__()
+        self.pool = KvBlockPool(BS, TOTAL, H, D, v_head_dim=VD)
+        self.free = TOTAL
+        self.live = []          # (cache, model)
+        self.counter = 0
+        self.slots = []
+
+    def _slot(self, c, m):
+        slot = Slot(c, m)
+        self.slots.append(slot)
+        return slot
+
+    def _row(self, width):
+        self.counter += 1
+        return [float(self.counter * 10 + j) for j in range(width)]
+
+    def _need(self, m, n):
+        """Blocks a pooled cache must take to hold n more rows."""
+        short = len(m.k) + n - m.cap_rows
+        return 0 if short <= 0 else -(-short // BS)
+
+    @rule(target=caches, kind=st.sampled_from(["new", "capacity", "pool"]),
+          max_len=st.integers(0, 12))
+    def create(self, kind, max_len):
+        if kind == "new":
+            c, m = KvCache(H, D, v_head_dim=VD), Model(False)
+        elif kind == "capacity":
+            c, m = KvCache.with_capacity(H, D, max_len, v_head_dim=VD), Model(False, plan=max_len)
+        else:
+            need = max(1, -(-max_len // BS))
+            try:
+                c = KvCache.with_pool(H, D, self.pool, max_len, v_head_dim=VD)
+            except KvPoolExhausted as e:
+                assert need > self.free and e.requested == need and e.free == self.free
+                c = KvCache(H, D, v_head_dim=VD)
+                m = Model(False)
+            else:
+                assert need <= self.free
+                self.free -= need
+                m = Model(True, need)
+        self.live.append((c, m))
+        return self._slot(c, m)
+
+    def _grow(self, c, m, n, call, krows, vrows):
+        need = self._need(m, n) if m.pooled else 0
+        try:
+            call()
+        except KvPoolExhausted as e:
+            assert m.pooled and need > self.free and e.requested == need
+            return
+        assert need <= self.free
+        self.free -= need
+        m.blocks += need
+        m.k += krows
+        m.v += vrows
+
+    @rule(cm=caches)
+    def push(self, cm):
+        c, m = cm
+        k, v = self._row(KW), self._row(VW)
+        self._grow(c, m, 1, lambda: c.push(np.array(k, np.float32), v), [k], [v])
+
+    @rule(cm=caches, t=st.integers(0, 7))
+    def extend(self, cm, t):
+        c, m = cm
+        ks = [self._row(KW) for _ in range(t)]
+        vs = [self._row(VW) for _ in range(t)]
+        ka = np.array(ks, np.float32).reshape(t, H, D)
+        va = np.array(vs, np.float64).reshape(t, VW)
+        self._grow(c, m, t, lambda: c.extend(ka, va), ks, vs)
+
+    @rule(cm=caches, n=st.integers(0, 7))
+    def advance(self, cm, n):
+        c, m = cm
+        self._grow(c, m, n, lambda: c.advance_len(n), [[0.0] * KW] * n, [[0.0] * VW] * n)
+
+    @rule(cm=caches, data=st.data())
+    def truncate(self, cm, data):
+        c, m = cm
+        n = data.draw(st.integers(0, len(m.k)))
+        c.truncate(n)
+        del m.k[n:], m.v[n:]
+
+    @rule(cm=caches)
+    def clear(self, cm):
+        c, m = cm
+        c.clear()
+        m.k.clear(), m.v.clear()
+
+    @rule(cm=caches)
+    def release(self, cm):
+        c, m = cm
+        c.release_to_pool()
+        if m.pooled:
+            self.free += m.blocks
+            m.pooled = False
+            m.blocks = 0
+
+    @rule(cm=caches)
+    def close(self, cm):
+        c, m = cm
+        c.close()
+        if m.pooled:
+            self.free += m.blocks
+        m.pooled, m.blocks = False, 0
+        m.k, m.v = [], []
+
+    @rule(target=caches, cm=caches)
+    def copy(self, cm):
+        c, m = cm
+        clone = c.copy()
+        mm = Model(False, plan=m.plan)
+        mm.k, mm.v = list(m.k), list(m.v)
+        self.live.append((clone, mm))
+        return self._slot(clone, mm)
+
+    @rule(cm=consumes(caches))
+    def drop(self, cm):
+        c, m = cm
+        self.live = [(x, y) for x, y in self.live if x is not c]
+        if m.pooled:
+            self.free += m.blocks
+        cm.c = None
+        del c          # the last reference: blocks go back now, not at gc
+
+    @invariant()
+    def everything_matches(self):
+        assert self.pool.free_blocks == self.free
+        assert sum(m.blocks for _, m in self.live if m.pooled) == TOTAL - self.free
+        for c, m in self.live:
+            assert c.seq_len == len(m.k) == len(c)
+            assert c.is_pooled == m.pooled
+            assert c.blocks_held == (m.blocks if m.pooled else 0)
+            np.testing.assert_array_equal(c.k.reshape(-1, KW), np.array(m.k, np.float32).reshape(-1, KW))
+            np.testing.assert_array_equal(c.v.reshape(-1, VW), np.array(m.v, np.float32).reshape(-1, VW))
+            assert c.is_within_planned_capacity() == (m.plan is not None and len(m.k) <= m.plan)
+            if m.pooled:
+                assert c.allocated_bytes() == m.blocks * self.pool.block_bytes
+        tables = [x for c, m in self.live if m.pooled for x in c.block_table.tolist()]
+        assert len(tables) == len(set(tables))        # no block held twice
+
+    def teardown(self):
+        self.live.clear()
+        for slot in self.slots:
+            slot.c = None
+        gc.collect()
+        assert self.pool.free_blocks == TOTAL
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])

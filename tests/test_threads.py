@@ -1,0 +1,207 @@
+"""Concurrency contract: many threads on one pool, misuse of one cache, fork,
+and the garbage collector running inside pool operations."""
+import gc
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ferrox_kv
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+from ferrox_kv import _core
+
+
+@pytest.fixture
+def gil_always_released():
+    """Release the GIL around every copy, to maximise interleaving."""
+    old = ferrox_kv.set_gil_release_threshold(0)
+    yield
+    ferrox_kv.set_gil_release_threshold(old)
+
+
+def _worker(pool, seed, steps, errors, h, d):
+    rng = random.Random(seed)
+    w = h * d
+    live = []                                  # (cache, expected k rows, expected v rows)
+    counter = seed * 1_000_000
+    try:
+        for _ in range(steps):
+            op = rng.random()
+            if op < 0.15 or not live:
+                try:
+                    c = KvCache.with_pool(h, d, pool, rng.randint(0, 24))
+                except KvPoolExhausted:
+                    c = KvCache(h, d)
+                live.append([c, [], []])
+                continue
+            entry = rng.choice(live)
+            c, ks, vs = entry
+            if op < 0.45:
+                counter += 1
+                k = np.full(w, counter, np.float32)
+                try:
+                    c.push(k, -k)
+                except KvPoolExhausted:
+                    continue
+                ks.append(k), vs.append(-k)
+            elif op < 0.65:
+                t = rng.randint(1, 40)
+                base = np.arange(t * w, dtype=np.float32).reshape(t, w) + counter
+                counter += t * w
+                try:
+                    c.extend(base, base * 2)
+                except KvPoolExhausted:
+                    continue
+                ks.extend(base), vs.extend(base * 2)
+            elif op < 0.75:
+                n = rng.randint(0, len(ks))
+                c.truncate(n)
+                del ks[n:], vs[n:]
+            elif op < 0.82:
+                c.release_to_pool()
+            elif op < 0.90:
+                live.remove(entry)             # drop: blocks go back
+                del c, entry
+            else:
+                got_k, got_v = c.k.reshape(-1, w), c.v.reshape(-1, w)
+                np.testing.assert_array_equal(got_k, np.array(ks, np.float32).reshape(-1, w))
+                np.testing.assert_array_equal(got_v, np.array(vs, np.float32).reshape(-1, w))
+        for c, ks, vs in live:
+            np.testing.assert_array_equal(c.k.reshape(-1, w), np.array(ks, np.float32).reshape(-1, w))
+            np.testing.assert_array_equal(c.v.reshape(-1, w), np.array(vs, np.float32).reshape(-1, w))
+    except BaseException as e:                 # reported by the main thread
+        errors.append(e)
+
+
+@pytest.mark.parametrize("threshold", ["default", "always"])
+def test_eight_threads_share_one_pool_and_every_block_comes_back(threshold, request):
+    if threshold == "always":
+        request.getfixturevalue("gil_always_released")
+    pool = KvBlockPool(4, 64, 2, 8)
+    errors = []
+    threads = [threading.Thread(target=_worker, args=(pool, s, 600, errors, 2, 8))
+               for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    gc.collect()
+    s = pool.stats()
+    assert s["free_blocks"] == 64 and s["acquired"] == s["released"] > 0
+    assert s["high_water"] <= 64
+
+
+def test_one_cache_from_two_threads_raises_runtime_error_and_stays_consistent(gil_always_released):
+    c = KvCache(8, 128)
+    big = np.ones((2048, 1024), np.float32)           # 8 MiB per extend, GIL released
+    stop = threading.Event()
+    extends = []
+
+    def writer():
+        n = 0
+        while not stop.is_set() and n < 400:
+            c.extend(big, big)
+            n += 1
+        extends.append(n)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    busy = pushes = 0
+    deadline = time.monotonic() + 20
+    step = np.full(1024, 2.0, np.float32)
+    while time.monotonic() < deadline and busy < 5 and t.is_alive():
+        try:
+            c.push(step, step)
+            pushes += 1
+        except RuntimeError as e:
+            assert "another thread" in str(e)
+            busy += 1
+    stop.set()
+    t.join()
+    assert busy >= 1, "the misuse was never detected"
+    assert c.seq_len == extends[0] * 2048 + pushes
+    k = c.k.reshape(-1, 1024)
+    assert int((k[:, 0] == 2.0).sum()) == pushes and int((k[:, 0] == 1.0).sum()) == extends[0] * 2048
+
+
+def test_fork_child_never_inherits_a_held_pool_lock():
+    pool = KvBlockPool(2, 8, 1, 2)
+    held = KvCache.with_pool(1, 2, pool, 4)
+    holder = threading.Thread(target=_core._hold_pool_lock, args=(pool, 0.5))
+    holder.start()
+    time.sleep(0.1)                                   # the lock is held now
+    pid = os.fork()
+    if pid == 0:                                      # child: must not deadlock
+        code = 1
+        try:
+            c = KvCache.with_pool(1, 2, pool, 4)
+            c.push(np.ones(2, np.float32), np.ones(2, np.float32))
+            ok = pool.free_blocks == 4 and held.blocks_held == 2
+            c.release_to_pool()
+            code = 0 if ok and pool.free_blocks == 6 else 2
+        finally:
+            os._exit(code)
+    holder.join()
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child deadlocked on an inherited pool lock")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool.free_blocks == 6                       # the parent is untouched
+
+
+class _Cycle:
+    def __init__(self, cache):
+        self.cache = cache
+        self.me = self                                # only gc frees it
+
+
+def test_gc_inside_pool_operations_never_reenters_the_free_list():
+    pool = KvBlockPool(1, 64, 1, 1)
+    calls = []
+
+    def on_gc(phase, info):
+        if phase == "start":                          # pool work from inside the collector
+            ids = pool.allocate(1)
+            pool.free(ids)
+            calls.append(1)
+
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(on_gc)
+    result = []
+
+    def run():
+        for i in range(2000):
+            try:
+                c = KvCache.with_pool(1, 1, pool, 2)
+            except KvPoolExhausted:
+                gc.collect()
+                continue
+            c.push(np.ones(1, np.float32), np.ones(1, np.float32))
+            _Cycle(c)                                 # garbage collected later, any time
+        result.append(True)
+
+    try:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "deadlock: a pool lock was held while gc ran"
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.set_threshold(*old)
+    assert result and calls
+    gc.collect()
+    assert pool.free_blocks == 64
