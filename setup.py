@@ -41,5 +41,6 @@ extensions = [
 ]
 
 setup(
-    ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES),
+    # force: a debug build must never reuse C generated with other directives
+    ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, force=DEBUG),
 )

@@ -60,6 +60,20 @@ cdef extern from *:
     static inline long fx_incref(long *p) { return __atomic_add_fetch(p, 1, __ATOMIC_RELAXED); }
     static inline long fx_decref(long *p) { return __atomic_sub_fetch(p, 1, __ATOMIC_ACQ_REL); }
     static inline int fx_mul(size_t a, size_t b, size_t *out) { return __builtin_mul_overflow(a, b, out); }
+    #include <sys/mman.h>
+    /* Ask for transparent huge pages on large buffers, as numpy does for its
+       own (>= 4 MiB): first-touch page faults then cost 512x fewer traps.
+       The pages stay lazily allocated, so untouched memory still costs none. */
+    static inline void fx_advise_huge(void *p, size_t nbytes) {
+    #ifdef MADV_HUGEPAGE
+        if (p != NULL && nbytes >= ((size_t)4 << 20)) {
+            size_t page = 4096;
+            size_t start = ((size_t)p + page - 1) & ~(page - 1);
+            size_t end = ((size_t)p + nbytes) & ~(page - 1);
+            if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
+        }
+    #endif
+    }
     """
     pthread_mutex_t fx_registry_lock
     bint fx_try_claim(int* flag) noexcept nogil
@@ -67,6 +81,7 @@ cdef extern from *:
     long fx_incref(long* p) noexcept nogil
     long fx_decref(long* p) noexcept nogil
     bint fx_mul(size_t a, size_t b, size_t* out) noexcept nogil
+    void fx_advise_huge(void* p, size_t nbytes) noexcept nogil
 
 
 # ---------------------------------------------------------------------------
@@ -171,6 +186,8 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
         free(p.k_arena); free(p.v_arena); free(p.free_stack); free(p.block_refs)
         free(p)
         return NULL
+    fx_advise_huge(p.k_arena, n_k * sizeof(float))
+    fx_advise_huge(p.v_arena, n_v * sizeof(float))
     # Lowest ids on top, so a fresh pool hands out 0, 1, 2, ...
     for i in range(total):
         p.free_stack[i] = <int32_t>(total - 1 - i)
@@ -564,6 +581,7 @@ cdef _Rows _rows_new(Py_ssize_t cap, Py_ssize_t kw, Py_ssize_t vw):
     r.k = <float*>malloc(nbytes)
     if r.k == NULL:
         raise MemoryError(f"cannot allocate {nbytes} bytes for {cap} KV rows")
+    fx_advise_huge(r.k, nbytes)
     r.v = r.k + <size_t>cap * <size_t>kw
     r.cap = cap
     return r

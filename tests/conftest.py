@@ -17,3 +17,13 @@ def rows(n, width, seed=0, scale=1.0):
 @pytest.fixture
 def make_rows():
     return rows
+
+
+def pytest_configure(config):
+    # CI runs the suite against the installed package, never the source tree.
+    import os
+    if os.environ.get("FERROX_KV_REQUIRE_INSTALLED") == "1":
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        src = os.path.join(here, "ferrox_kv")
+        if os.path.dirname(os.path.abspath(ferrox_kv.__file__)) == src:
+            raise RuntimeError(f"tests imported ferrox_kv from the source tree ({src})")
