@@ -10,6 +10,7 @@ from ferrox_kv._core import (
     KvCache,
     KvPoolExhausted,
     gil_release_threshold,
+    push_layers,
     set_gil_release_threshold,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "KvCache",
     "KvPoolExhausted",
     "gil_release_threshold",
+    "push_layers",
     "set_gil_release_threshold",
     "__version__",
 ]

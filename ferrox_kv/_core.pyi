@@ -104,3 +104,9 @@ class KvCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool: ...
+
+def push_layers(
+    caches: "list[KvCache] | tuple[KvCache, ...]",
+    k_steps: npt.ArrayLike,
+    v_steps: npt.ArrayLike,
+) -> None: ...

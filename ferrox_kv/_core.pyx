@@ -91,8 +91,11 @@ cdef extern from *:
 # Copies of at least this many bytes (K and V together, per call) run with the
 # GIL released; smaller ones keep it, because a GIL release/re-acquire costs
 # about as much as copying a few KB and threads convoy on the GIL when they
-# release it around every small row. benchmarks/gil_threshold.py measures it.
-cdef Py_ssize_t _gil_release_bytes = 65536
+# release it around every small row. benchmarks/gil_threshold.py measures it:
+# on the 2-core development machine releasing lost or broke even up to 128 KB
+# per call (0.42x at 4 KB, 0.92x at 64 KB, 1.08x at 128 KB with 2 threads)
+# and paid from 256 KB (1.82x).
+cdef Py_ssize_t _gil_release_bytes = 131072
 
 # The largest byte count any single allocation may have: beyond it ValueError.
 cdef size_t _MAX_BYTES = <size_t>0x7fffffffffffffff
@@ -259,19 +262,22 @@ cdef int pool_take(Pool* p, Py_ssize_t n, int32_t* out,
 cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
     """Drop one reference to each of ``ids``; blocks reaching 0 become free.
 
-    All or nothing: returns -1 (changing nothing) if any id is out of range or
-    not held as often as it is named; 0 otherwise.
+    All or nothing: returns -1 if an id is out of range, -2 if one is not
+    held as often as it is named (changing nothing either way); 0 otherwise.
     """
     cdef Py_ssize_t i, j
     cdef int32_t b
+    for i in range(n):
+        if ids[i] < 0 or ids[i] >= p.total:
+            return -1
     pthread_mutex_lock(&p.lock)
     for i in range(n):
         b = ids[i]
-        if b < 0 or b >= p.total or p.block_refs[b] <= 0:
+        if p.block_refs[b] <= 0:
             for j in range(i):
                 p.block_refs[ids[j]] += 1
             pthread_mutex_unlock(&p.lock)
-            return -1
+            return -2
         p.block_refs[b] -= 1
     for i in range(n):
         b = ids[i]
@@ -285,6 +291,15 @@ cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
             p.block_refs[ids[i]] = 0
     pthread_mutex_unlock(&p.lock)
     return 0
+
+
+cdef Py_ssize_t pool_free(Pool* p) noexcept nogil:
+    """The free-block count, read under the lock."""
+    cdef Py_ssize_t n
+    pthread_mutex_lock(&p.lock)
+    n = p.n_free
+    pthread_mutex_unlock(&p.lock)
+    return n
 
 
 cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil:
@@ -435,12 +450,7 @@ cdef class KvBlockPool:
     @property
     def free_blocks(self):
         """Blocks free right now (a snapshot under the lock)."""
-        cdef Py_ssize_t n
-        with nogil:
-            pthread_mutex_lock(&self.p.lock)
-            n = self.p.n_free
-            pthread_mutex_unlock(&self.p.lock)
-        return n
+        return pool_free(self.p)
 
     @property
     def used_blocks(self):
@@ -518,10 +528,9 @@ cdef class KvBlockPool:
         """
         cdef Py_ssize_t count = _count(n, "n", 0)
         cdef Py_ssize_t free_seen = 0
-        cdef cnp.ndarray ids = np.empty(count, dtype=np.int32)
-        cdef int rc
-        with nogil:
-            rc = pool_take(self.p, count, <int32_t*>cnp.PyArray_DATA(ids), &free_seen)
+        cdef cnp.npy_intp dim = count
+        cdef cnp.ndarray ids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        cdef int rc = pool_take(self.p, count, <int32_t*>cnp.PyArray_DATA(ids), &free_seen)
         if rc != 0:
             raise KvPoolExhausted(count, free_seen)
         return ids
@@ -532,14 +541,26 @@ cdef class KvBlockPool:
         All or nothing: if any id is out of range or not currently held (or is
         named more often than it is held), ``ValueError`` and nothing changes.
         """
-        cdef cnp.ndarray ids = np.ascontiguousarray(block_ids, dtype=np.int64).ravel()
-        cdef cnp.ndarray ids32
-        if ids.size and (ids.min() < 0 or ids.max() >= self.p.total):
-            raise ValueError(f"block id out of range 0..{self.p.total - 1}")
-        ids32 = ids.astype(np.int32)
+        cdef cnp.ndarray ids
         cdef int rc
-        with nogil:
-            rc = pool_give(self.p, <int32_t*>cnp.PyArray_DATA(ids32), ids32.shape[0])
+        if (cnp.PyArray_Check(block_ids)
+                and cnp.PyArray_TYPE(<cnp.ndarray>block_ids) == cnp.NPY_INT32
+                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>block_ids)
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>block_ids)):
+            ids = <cnp.ndarray>block_ids      # what allocate() returned: no copy
+        else:
+            wide = np.asarray(block_ids)
+            if wide.size == 0:
+                return
+            if wide.dtype.kind not in "iu":
+                raise TypeError(f"block_ids must be integers, got dtype {wide.dtype}")
+            wide = wide.astype(np.int64).ravel()
+            if wide.size and (wide.min() < 0 or wide.max() >= self.p.total):
+                raise ValueError(f"block id out of range 0..{self.p.total - 1}")
+            ids = wide.astype(np.int32)
+        rc = pool_give(self.p, <int32_t*>cnp.PyArray_DATA(ids), cnp.PyArray_SIZE(ids))
+        if rc == -1:
+            raise ValueError(f"block id out of range 0..{self.p.total - 1}")
         if rc != 0:
             raise ValueError("block_ids names a block that is not held "
                              "(double free?); nothing was given back")
@@ -1212,6 +1233,118 @@ cdef class KvCache:
         return (f"KvCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"v_head_dim={self.v_head_dim}, seq_len={self.c.len}, {kind}, "
                 f"capacity={self.c.cap}, blocks_held={self.c.n_blocks})")
+
+
+# ---------------------------------------------------------------------------
+# One position into every layer of a sequence, in one call
+# ---------------------------------------------------------------------------
+
+def push_layers(caches, k_steps, v_steps):
+    """Append one position to each of ``caches`` (one per layer) in one call.
+
+    ``k_steps`` is shaped ``(layers, n_kv_heads, head_dim)`` or
+    ``(layers, n_kv_heads * head_dim)``, row ``i`` going to ``caches[i]``;
+    ``v_steps`` likewise with ``v_head_dim``. Every cache must have the same
+    geometry. All or nothing: the blocks every pooled cache needs are taken
+    before any row is copied; if the pool cannot supply them all,
+    ``KvPoolExhausted`` and nothing changes. The copies of all layers run in
+    one C loop, with the GIL released once when the bytes of all layers
+    together pay for it: this is the decode step's coarse call, the one that
+    lets request threads run in parallel.
+    """
+    cdef list cl = list(caches)
+    cdef Py_ssize_t n_layers = len(cl), i, j, need, free_seen = 0, total_bytes
+    cdef Pool* refused
+    cdef KvCache c0, ci
+    cdef Cache* c
+    cdef Pool* p
+    cdef int rc
+    if n_layers == 0:
+        raise ValueError("caches is empty")
+    for i in range(n_layers):
+        if not isinstance(cl[i], KvCache):
+            raise TypeError(f"caches[{i}] is {type(cl[i]).__name__}, not KvCache")
+    c0 = <KvCache>cl[0]
+    for i in range(1, n_layers):
+        ci = <KvCache>cl[i]
+        if (ci.n_kv_heads != c0.n_kv_heads or ci.head_dim != c0.head_dim
+                or ci.v_head_dim != c0.v_head_dim):
+            raise ValueError(f"caches[{i}] has another geometry than caches[0]")
+    if len({id(x) for x in cl}) != n_layers:
+        raise ValueError("a cache appears more than once in caches")
+    if not _fast_f32(k_steps):
+        k_steps = _as_f32(k_steps, "k_steps")
+    if not _fast_f32(v_steps):
+        v_steps = _as_f32(v_steps, "v_steps")
+    cdef cnp.ndarray ka = <cnp.ndarray>k_steps
+    cdef cnp.ndarray va = <cnp.ndarray>v_steps
+    if c0._check_steps(ka, c0.head_dim, "k_steps") != n_layers:
+        raise ValueError(f"k_steps has {ka.shape[0]} rows for {n_layers} caches")
+    if c0._check_steps(va, c0.v_head_dim, "v_steps") != n_layers:
+        raise ValueError(f"v_steps has {va.shape[0]} rows for {n_layers} caches")
+    cdef const float* kp = <const float*>cnp.PyArray_DATA(ka)
+    cdef const float* vp = <const float*>cnp.PyArray_DATA(va)
+    cdef Py_ssize_t kw = c0.c.kw, vw = c0.c.vw
+    cdef Cache** cs = <Cache**>malloc(n_layers * sizeof(Cache*))
+    cdef char* took = <char*>calloc(n_layers, 1)
+    cdef Py_ssize_t claimed = 0
+    if cs == NULL or took == NULL:
+        free(cs); free(took)
+        raise MemoryError()
+    try:
+        for i in range(n_layers):
+            cs[i] = &(<KvCache>cl[i]).c
+            if not fx_try_claim(&cs[i].busy):
+                raise RuntimeError(_BUSY)
+            claimed += 1
+        # 1. blocks for every full pooled cache (undone if any is refused)
+        need = 0
+        for i in range(n_layers):
+            if cs[i].pool != NULL and cs[i].len == cs[i].cap:
+                need += 1
+        refused = NULL
+        try:
+            for i in range(n_layers):
+                c = cs[i]
+                if c.pool != NULL and c.len == c.cap:
+                    _reserve_table(c, 1)
+                    rc = pool_take(c.pool, 1, c.table + c.n_blocks, &free_seen)
+                    if rc != 0:
+                        refused = c.pool
+                        raise KvPoolExhausted(need, free_seen)
+                    c.n_blocks += 1
+                    c.cap += c.pool.block_size
+                    took[i] = 1
+            # 2. growth of full contiguous caches (only MemoryError can stop it)
+            for i in range(n_layers):
+                if cs[i].pool == NULL and cs[i].len == cs[i].cap:
+                    (<KvCache>cl[i])._make_room(1)
+        except BaseException:
+            for j in range(n_layers):
+                if took[j]:
+                    c = cs[j]
+                    c.n_blocks -= 1
+                    c.cap -= c.pool.block_size
+                    pool_give(c.pool, c.table + c.n_blocks, 1)
+            if refused != NULL:        # report the free count after the undo
+                raise KvPoolExhausted(need, pool_free(refused)) from None
+            raise
+        # 3. the copies, in one loop
+        total_bytes = n_layers * (kw + vw) * <Py_ssize_t>sizeof(float)
+        if total_bytes >= _gil_release_bytes:
+            with nogil:
+                for i in range(n_layers):
+                    cache_write(cs[i], cs[i].len, 1, kp + i * kw, vp + i * vw)
+                    cs[i].len += 1
+        else:
+            for i in range(n_layers):
+                cache_write(cs[i], cs[i].len, 1, kp + i * kw, vp + i * vw)
+                cs[i].len += 1
+    finally:
+        for i in range(claimed):
+            fx_unclaim(&cs[i].busy)
+        free(cs)
+        free(took)
 
 
 # ---------------------------------------------------------------------------

@@ -274,3 +274,44 @@ def test_repr_names_geometry_and_state():
     pool = KvBlockPool(4, 2, 1, 2)
     c = KvCache.with_pool(1, 2, pool, 1)
     assert "pooled" in repr(c) and "free_blocks=1" in repr(pool)
+
+
+def test_push_layers_matches_pushing_each_layer(make_rows):
+    from ferrox_kv import push_layers
+    pool = KvBlockPool(2, 16, 2, 3, v_head_dim=2)
+    layers = [KvCache.with_pool(2, 3, pool, 1, v_head_dim=2), KvCache(2, 3, v_head_dim=2),
+              KvCache.with_capacity(2, 3, 2, v_head_dim=2)]
+    ref = [KvCache(2, 3, v_head_dim=2) for _ in layers]
+    for t in range(7):
+        k, v = make_rows(3, 6, t), make_rows(3, 4, 100 + t)
+        push_layers(layers, k.reshape(3, 2, 3), v)
+        for i, r in enumerate(ref):
+            r.push(k[i], v[i])
+    for c, r in zip(layers, ref):
+        np.testing.assert_array_equal(c.k, r.k)
+        np.testing.assert_array_equal(c.v, r.v)
+    assert layers[0].blocks_held == 4 and pool.free_blocks == 12
+
+
+def test_push_layers_is_all_or_nothing_when_a_layer_cannot_get_a_block():
+    from ferrox_kv import push_layers
+    pool = KvBlockPool(1, 3, 1, 1)
+    layers = [KvCache.with_pool(1, 1, pool, 1) for _ in range(3)]
+    one = np.ones((3, 1), np.float32)
+    push_layers(layers, one, one)                     # fills every block: 0 free
+    pool.free([])                                     # (no-op)
+    layers[2].release_to_pool()                       # 1 free; two layers need one each
+    with pytest.raises(KvPoolExhausted) as ei:
+        push_layers(layers, one * 2, one * 2)
+    assert ei.value.requested == 2 and ei.value.free == 1
+    assert [len(c) for c in layers] == [1, 1, 1]
+    assert [c.blocks_held for c in layers] == [1, 1, 0] and pool.free_blocks == 1
+    assert pool.stats()["acquired"] - pool.stats()["released"] == 2
+
+
+def test_push_layers_from_two_threads_on_the_same_cache_raises(gil_release_zero=None):
+    from ferrox_kv import push_layers
+    layers = [KvCache(1, 2), KvCache(1, 2)]
+    with pytest.raises(ValueError, match="more than once"):
+        push_layers([layers[0], layers[0]], np.ones((2, 2)), np.ones((2, 2)))
+    assert len(layers[0]) == 0

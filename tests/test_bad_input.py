@@ -120,3 +120,27 @@ def test_exhausted_error_reports_requested_and_free(world):
         caches[2].extend(np.zeros((5, W), np.float32), np.zeros((5, W), np.float32))
     assert (ei.value.requested, ei.value.free) == (3, 1)
     assert caches[2].seq_len == 4 and pool.free_blocks == 1
+
+
+def _pl(caches, k, v):
+    from ferrox_kv import push_layers
+    return push_layers(caches, k, v)
+
+
+ok_layers = np.zeros((4, W), np.float32)
+PUSH_LAYERS_CASES = [
+    ("empty", lambda p, cs: _pl([], ok_layers, ok_layers), ValueError, "empty"),
+    ("not_a_cache", lambda p, cs: _pl(cs[:3] + ["x"], ok_layers, ok_layers), TypeError, "not KvCache"),
+    ("geometry", lambda p, cs: _pl(cs[:3] + [KvCache(H, D + 1)], ok_layers, ok_layers), ValueError, "geometry"),
+    ("duplicate", lambda p, cs: _pl([cs[0], cs[1], cs[2], cs[0]], ok_layers, ok_layers), ValueError, "more than once"),
+    ("rows_mismatch", lambda p, cs: _pl(cs, ok_layers[:3], ok_layers), ValueError, "rows for 4"),
+    ("v_rows_mismatch", lambda p, cs: _pl(cs, ok_layers, ok_layers[:2]), ValueError, "rows for 4"),
+    ("shape", lambda p, cs: _pl(cs, np.zeros((4, W + 1), np.float32), ok_layers), ValueError, "k_steps"),
+    ("non_numeric", lambda p, cs: _pl(cs, ok_layers, np.full((4, W), "v")), TypeError, "v_steps"),
+    ("exhausted", lambda p, cs: _pl(cs, ok_layers, ok_layers), KvPoolExhausted, "exhausted"),
+]
+
+
+@pytest.mark.parametrize("case", PUSH_LAYERS_CASES, ids=[c[0] for c in PUSH_LAYERS_CASES])
+def test_push_layers_bad_input_changes_nothing(world, case):
+    test_bad_input_raises_and_changes_nothing(world, case)
