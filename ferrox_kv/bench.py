@@ -261,6 +261,25 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread):
         c.extend(ks, vs)
         c.clear()
     floor_dst = [np.empty_like(ks) for _ in range(max_threads)]
+    # push_layers: one position into all layers per call, the decode step's
+    # coarse call. Tokens per thread sized to ~64 MiB of K+V per thread.
+    layers = GEOMETRIES[geo][2]
+    n_tok = int(max(16, min(n, (64 << 20) // (layers * 2 * w * 4))))
+    lpool = KvBlockPool(BLOCK_SIZE, max_threads * layers * (-(-n_tok // BLOCK_SIZE)), h, d)
+    lcaches = [[KvCache.with_pool(h, d, lpool, n_tok) for _ in range(layers)]
+               for _ in range(max_threads)]
+    lk, lv = _rows(layers, w, 11), _rows(layers, w, 12)
+    for cs in lcaches:
+        for c in cs:
+            c.advance_len(n_tok)
+            c.clear()
+
+    def layers_work(i):
+        cs = lcaches[i]
+        for c in cs:
+            c.clear()
+        for _ in range(n_tok):
+            ferrox_kv.push_layers(cs, lk, lv)
 
     def push_work(i):
         c = caches[i]
@@ -280,22 +299,27 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread):
         _core._copy_floor(floor_dst[i], vs, w * chunk)
 
     g = "threads"
-    for name, fn in [("push", push_work), (f"extend({chunk})", extend_work),
-                     (f"floor: C copy of {chunk}-position chunks, no GIL", floor_work)]:
+    for name, fn, per in [("push", push_work, n), (f"extend({chunk})", extend_work, n),
+                          (f"push_layers({layers} layers)", layers_work, n_tok * layers),
+                          (f"floor: C copy of {chunk}-position chunks, no GIL", floor_work, n)]:
         base = None
         for t in counts:
             dt = min(_run_threads(t, fn) for _ in range(reps))
-            rate = t * n / dt
+            rate = t * per / dt
             if base is None:
                 base = rate
             key = None
             if t == 2:
-                key = f"threads2_{name.split('(')[0].split(':')[0]}"
+                key = f"threads2_{name.split('(')[0].split(':')[0].split(',')[0]}"
             res.add(g, geo, f"{name}, {t} thread(s)", rate / 1e6, "Mpos/s", rate / base,
                     "1 thread", threads=t, key=key)
     for c in caches:
         c.close()
+    for cs in lcaches:
+        for c in cs:
+            c.close()
     assert pool.free_blocks == pool.total_blocks
+    assert lpool.free_blocks == lpool.total_blocks
 
 
 # ---------------------------------------------------------------------------
@@ -346,6 +370,20 @@ def _decode_impls(h, d, layers, max_len):
             c.block_table                          # what a paged kernel reads
 
     impls["ferrox with_pool (block table)"] = (fx_make_pool, fx_prefill, fx_step_table)
+
+    def fx_step_layers_views(caches, k, v):
+        ferrox_kv.push_layers(caches, k, v)      # all layers, one call
+        for c in caches:
+            c.k, c.v
+
+    def fx_step_layers_table(caches, k, v):
+        ferrox_kv.push_layers(caches, k, v)
+        for c in caches:
+            c.block_table
+
+    impls["ferrox push_layers + views"] = (fx_make_cap, fx_prefill, fx_step_layers_views)
+    impls["ferrox push_layers, pooled (block table)"] = (fx_make_pool, fx_prefill,
+                                                         fx_step_layers_table)
     impls["ferrox with_pool (gathered k/v)"] = (fx_make_pool, fx_prefill, fx_step_views)
 
     def np_make():
@@ -398,6 +436,9 @@ def bench_decode(res, geo, contexts, reps, tokens):
     # one new position per token, shaped (n_kv_heads, head_dim) as a model makes it
     k_tok = _rows(tokens, w, 7).reshape(tokens, h, d)
     v_tok = _rows(tokens, w, 8).reshape(tokens, h, d)
+    # push_layers takes every layer's row at once: (layers, h, d) per token
+    k_all = np.ascontiguousarray(np.broadcast_to(k_tok[:, None], (tokens, layers, h, d)))
+    v_all = np.ascontiguousarray(np.broadcast_to(v_tok[:, None], (tokens, layers, h, d)))
     g = "decode"
     for ctx in contexts:
         ks, vs = _rows(ctx, w, 9), _rows(ctx, w, 10)
@@ -409,8 +450,12 @@ def bench_decode(res, geo, contexts, reps, tokens):
                 prefill(state, ks, vs)
                 gc.disable()
                 t0 = time.perf_counter()
-                for i in range(tokens):
-                    step(state, k_tok[i], v_tok[i])
+                if "push_layers" in name:
+                    for i in range(tokens):
+                        step(state, k_all[i], v_all[i])
+                else:
+                    for i in range(tokens):
+                        step(state, k_tok[i], v_tok[i])
                 best = min(best, time.perf_counter() - t0)
                 gc.enable()
                 del state
@@ -490,7 +535,12 @@ def _targets(res):
         ("2 threads extend (8x128)", get("threads2_extend", "llama8b"), ">=", 1.7),
         ("2 threads push, wide rows (32x128)", get("threads2_push", "wide"), ">=", 1.7),
         ("2 threads extend, wide rows (32x128)", get("threads2_extend", "wide"), ">=", 1.7),
+        ("2 threads push_layers, wide rows (32x128)", get("threads2_push_layers", "wide"),
+         ">=", 1.7),
+        ("2 threads push_layers (8x128)", get("threads2_push_layers", "llama8b"), ">=", 1.7),
         ("2 threads push, small rows (2x64)", get("threads2_push", "small"), ">=", 0.95),
+        ("2 threads floor copy (32x128): the hardware's own scaling",
+         get("threads2_floor", "wide"), "info", None),
         ("2 threads floor copy (8x128): the hardware's own scaling",
          get("threads2_floor", "llama8b"), "info", None),
     ]
