@@ -64,6 +64,16 @@ class KvCache:
         *,
         v_head_dim: int | None = None,
     ) -> KvCache: ...
+    @staticmethod
+    def with_pool_many(
+        count: int,
+        n_kv_heads: int,
+        head_dim: int,
+        pool: KvBlockPool,
+        max_seq_len: int,
+        *,
+        v_head_dim: int | None = None,
+    ) -> list[KvCache]: ...
     @property
     def n_kv_heads(self) -> int: ...
     @property

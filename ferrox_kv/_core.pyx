@@ -726,6 +726,17 @@ cdef inline Py_ssize_t _blocks_for(Py_ssize_t rows, Py_ssize_t bs) noexcept nogi
     return (rows + bs - 1) // bs
 
 
+cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
+    if (c.n_kv_heads, c.head_dim, c.v_head_dim) != (
+            pool.n_kv_heads, pool.head_dim, pool.v_head_dim):
+        raise ValueError(
+            f"cache geometry (n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim}, "
+            f"v_head_dim={c.v_head_dim}) does not match the pool's "
+            f"(n_kv_heads={pool.n_kv_heads}, head_dim={pool.head_dim}, "
+            f"v_head_dim={pool.v_head_dim})")
+    return 0
+
+
 cdef str _BUSY = ("KvCache is in use by another thread; a cache must not be "
                   "used from two threads at once (guard it with a lock)")
 
@@ -823,13 +834,7 @@ cdef class KvCache:
         cdef KvCache self = KvCache.__new__(KvCache)
         self._set_geometry(n_kv_heads, head_dim, v_head_dim)
         cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
-        if (self.n_kv_heads, self.head_dim, self.v_head_dim) != (
-                pool.n_kv_heads, pool.head_dim, pool.v_head_dim):
-            raise ValueError(
-                f"cache geometry (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-                f"v_head_dim={self.v_head_dim}) does not match the pool's "
-                f"(n_kv_heads={pool.n_kv_heads}, head_dim={pool.head_dim}, "
-                f"v_head_dim={pool.v_head_dim})")
+        _check_pool_geometry(self, pool)
         cdef Pool* p = pool.p
         cdef Py_ssize_t n = _blocks_for(max_len, p.block_size)
         if n < 1:
@@ -848,6 +853,62 @@ cdef class KvCache:
         self.c.n_blocks = n
         self.c.cap = n * p.block_size
         return self
+
+    @staticmethod
+    def with_pool_many(count, n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
+                       *, v_head_dim=None):
+        """``count`` pooled caches (e.g. every layer of a sequence, or every
+        layer of every sequence of a batch), reserved at once.
+
+        One acquisition of ``count * max(1, ceil(max_seq_len / block_size))``
+        blocks: all the caches or none. When the pool cannot cover them all,
+        ``KvPoolExhausted`` and the pool is untouched (one refusal counted).
+        """
+        cdef Py_ssize_t n_caches = _count(count, "count", 0)
+        cdef KvCache proto = KvCache.with_capacity(n_kv_heads, head_dim, 0, v_head_dim=v_head_dim)
+        cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
+        _check_pool_geometry(proto, pool)
+        cdef Pool* p = pool.p
+        cdef Py_ssize_t per = _blocks_for(max_len, p.block_size), i, free_seen = 0
+        if per < 1:
+            per = 1
+        if n_caches == 0:
+            return []
+        if per > p.total or n_caches > p.total // per:
+            raise KvPoolExhausted(per * n_caches, pool_refuse(p))
+        cdef Py_ssize_t total = per * n_caches
+        cdef list out = []
+        cdef KvCache c
+        for i in range(n_caches):              # tables first: only MemoryError can fail
+            c = KvCache.__new__(KvCache)
+            c._copy_geometry(proto)
+            _reserve_table(&c.c, per)
+            out.append(c)
+        cdef int32_t* ids = <int32_t*>malloc(total * sizeof(int32_t))
+        if ids == NULL:
+            raise MemoryError()
+        cdef int rc
+        with nogil:
+            rc = pool_take(p, total, ids, &free_seen)
+        if rc != 0:
+            free(ids)
+            raise KvPoolExhausted(total, free_seen)
+        for i in range(n_caches):
+            c = <KvCache>out[i]
+            memcpy(c.c.table, ids + i * per, per * sizeof(int32_t))
+            pool_incref(p)
+            c.c.pool = p
+            c.c.n_blocks = per
+            c.c.cap = per * p.block_size
+        free(ids)
+        return out
+
+    cdef void _copy_geometry(self, KvCache other) noexcept:
+        self.n_kv_heads = other.n_kv_heads
+        self.head_dim = other.head_dim
+        self.v_head_dim = other.v_head_dim
+        self.c.kw = other.c.kw
+        self.c.vw = other.c.vw
 
     # -- read-only state ----------------------------------------------------
 
@@ -918,6 +979,22 @@ cdef class KvCache:
         cnp.PyArray_SetBaseObject(arr, self.rows)
         cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
         return arr
+
+    def _views(self):
+        """(k, v) for integrations that wrap them (e.g. as torch tensors):
+        zero-copy *writable* views of a contiguous cache, gathered copies of a
+        pooled one. Not public: writing through them bypasses the cache."""
+        if not fx_try_claim(&self.c.busy):
+            raise RuntimeError(_BUSY)
+        try:
+            k = self._rows_view(False)
+            v = self._rows_view(True)
+        finally:
+            fx_unclaim(&self.c.busy)
+        if self.c.pool == NULL:
+            cnp.PyArray_ENABLEFLAGS(<cnp.ndarray>k, cnp.NPY_ARRAY_WRITEABLE)
+            cnp.PyArray_ENABLEFLAGS(<cnp.ndarray>v, cnp.NPY_ARRAY_WRITEABLE)
+        return k, v
 
     @property
     def k(self):
@@ -1204,11 +1281,7 @@ cdef class KvCache:
         push grows it. The copy runs without the GIL when large."""
         cdef KvCache out = KvCache.__new__(KvCache)
         cdef _Rows r
-        out.n_kv_heads = self.n_kv_heads
-        out.head_dim = self.head_dim
-        out.v_head_dim = self.v_head_dim
-        out.c.kw = self.c.kw
-        out.c.vw = self.c.vw
+        out._copy_geometry(self)
         if not fx_try_claim(&self.c.busy):
             raise RuntimeError(_BUSY)
         try:

@@ -315,3 +315,35 @@ def test_push_layers_from_two_threads_on_the_same_cache_raises(gil_release_zero=
     with pytest.raises(ValueError, match="more than once"):
         push_layers([layers[0], layers[0]], np.ones((2, 2)), np.ones((2, 2)))
     assert len(layers[0]) == 0
+
+
+def test_with_pool_many_reserves_every_cache_or_none(make_rows):
+    pool = KvBlockPool(4, 10, 2, 2)
+    caches = KvCache.with_pool_many(3, 2, 2, pool, 9)          # 3 blocks each
+    assert [c.blocks_held for c in caches] == [3, 3, 3] and pool.free_blocks == 1
+    tables = [x for c in caches for x in c.block_table.tolist()]
+    assert len(set(tables)) == 9
+    before = pool.stats()
+    with pytest.raises(KvPoolExhausted) as ei:
+        KvCache.with_pool_many(2, 2, 2, pool, 1)
+    assert (ei.value.requested, ei.value.free) == (2, 1)
+    after = pool.stats()
+    assert after["free_blocks"] == before["free_blocks"] == 1
+    assert after["acquired"] == before["acquired"] and after["refused"] == before["refused"] + 1
+    k = make_rows(9, 4)
+    for c in caches:
+        c.extend(k, k)
+    assert pool.free_blocks == 1
+    np.testing.assert_array_equal(caches[2].k.reshape(9, 4), k)
+    assert KvCache.with_pool_many(0, 2, 2, pool, 5) == []
+    with pytest.raises(ValueError, match="geometry"):
+        KvCache.with_pool_many(1, 2, 3, pool, 1)
+    with pytest.raises(ValueError, match="count"):
+        KvCache.with_pool_many(-1, 2, 2, pool, 1)
+    with pytest.raises(KvPoolExhausted):
+        KvCache.with_pool_many(10**9, 2, 2, pool, 1)
+    assert pool.free_blocks == 1
+    del caches, c
+    import gc
+    gc.collect()
+    assert pool.free_blocks == 10
