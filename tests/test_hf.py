@@ -1,0 +1,264 @@
+"""FerroxCache in transformers' generate: token-identical to DynamicCache.
+
+Tiny randomly initialised models built from configs (no downloads). torch and
+transformers are installed by .ci/run, so these run in CI."""
+import gc
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from ferrox_kv import KvBlockPool, KvPoolExhausted  # noqa: E402
+from ferrox_kv.hf import FerroxCache, FerroxLayer, kv_geometry  # noqa: E402
+
+VOCAB = 256
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return cfg, transformers.LlamaForCausalLM
+
+
+def _qwen2():
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512)
+    return cfg, transformers.Qwen2ForCausalLM
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+    cfg, cls = {"llama": _llama, "qwen2": _qwen2}[request.param]()
+    torch.manual_seed(1234)
+    m = cls(cfg).eval()
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _prompt(n=12, seed=0, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, n), generator=g)
+
+
+def _pool_for(model, blocks, block_size=8):
+    _, h, d = kv_geometry(model.config)
+    return KvBlockPool(block_size, blocks, h, d)
+
+
+def _gen(model, ids, cache, **kw):
+    kw.setdefault("max_new_tokens", 40)
+    kw.setdefault("do_sample", False)
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, **kw)
+
+
+def test_geometry_is_read_from_the_config(model):
+    layers, h, d = kv_geometry(model.config)
+    assert layers == model.config.num_hidden_layers
+    assert h == model.config.num_key_value_heads
+    assert d == model.config.hidden_size // model.config.num_attention_heads
+
+
+def test_greedy_generation_is_token_identical_to_dynamic_cache(model):
+    ids = _prompt()
+    ref = _gen(model, ids, DynamicCache(config=model.config))
+    got = _gen(model, ids, FerroxCache(model.config))
+    assert ref.shape[1] == ids.shape[1] + 40
+    assert torch.equal(ref, got)
+
+
+def test_returned_keys_are_zero_copy_views_of_contiguous_caches(model):
+    cache = FerroxCache(model.config, max_seq_len=64)
+    _gen(model, _prompt(), cache, max_new_tokens=3)
+    layer = cache.layers[0]
+    keys, values = layer._gather()
+    kview = layer.seqs[0].k
+    assert keys.shape == (1, kview.shape[1], kview.shape[0], kview.shape[2])
+    assert keys.data_ptr() == kview.__array_interface__["data"][0]
+    assert torch.equal(keys[0].permute(1, 0, 2), torch.from_numpy(kview.copy()))
+
+
+def test_pooled_generation_is_identical_and_every_block_comes_back(model):
+    ids = _prompt()
+    ref = _gen(model, ids, DynamicCache(config=model.config))
+    layers = model.config.num_hidden_layers
+    pool = _pool_for(model, 64)
+    with FerroxCache(model.config, pool=pool, max_seq_len=52) as cache:
+        assert pool.used_blocks == layers * 7 == cache.blocks_held     # ceil(52 / 8) per layer
+        got = _gen(model, ids, cache)
+        assert pool.used_blocks == layers * 7                          # never grew
+    assert torch.equal(ref, got)
+    assert pool.free_blocks == 64
+    s = pool.stats()
+    assert s["acquired"] == s["released"] == layers * 7
+
+
+def test_pooled_cache_gives_blocks_back_when_garbage_collected(model):
+    pool = _pool_for(model, 64)
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=40)
+    _gen(model, _prompt(), cache, max_new_tokens=5)
+    assert pool.free_blocks < 64
+    del cache
+    gc.collect()
+    assert pool.free_blocks == 64
+
+
+def test_admission_is_refused_with_the_pool_untouched_when_one_block_short(model):
+    layers = model.config.num_hidden_layers
+    pool = _pool_for(model, layers * 7 - 1)
+    before = pool.stats()
+    with pytest.raises(KvPoolExhausted) as ei:
+        FerroxCache(model.config, pool=pool, max_seq_len=52)
+    assert ei.value.requested == layers * 7 and ei.value.free == layers * 7 - 1
+    after = pool.stats()
+    assert after["free_blocks"] == before["free_blocks"] == layers * 7 - 1
+    assert after["acquired"] == before["acquired"] == 0
+    pool2 = _pool_for(model, layers * 7)
+    FerroxCache(model.config, pool=pool2, max_seq_len=52).close()    # exactly enough
+
+
+def test_pool_with_the_wrong_geometry_is_refused(model):
+    _, h, d = kv_geometry(model.config)
+    with pytest.raises(ValueError, match="geometry"):
+        FerroxCache(model.config, pool=KvBlockPool(8, 8, h, d + 1), max_seq_len=8)
+    with pytest.raises(ValueError, match="max_seq_len is required"):
+        FerroxCache(model.config, pool=KvBlockPool(8, 8, h, d))
+
+
+def test_prompt_lookup_decoding_is_identical_and_rolls_back(model, monkeypatch):
+    # a repetitive prompt, so prompt lookup finds drafts; a random model rejects most
+    base = _prompt(6, seed=3)
+    ids = torch.cat([base, base, base, base[:, :3]], dim=1)
+    ref = _gen(model, ids, DynamicCache(config=model.config), max_new_tokens=30)
+    removed = []
+    orig = FerroxLayer.crop
+
+    def spy(self, n):
+        before = self.get_seq_length()
+        orig(self, n)
+        removed.append(before - self.get_seq_length())
+
+    monkeypatch.setattr(FerroxLayer, "crop", spy)
+    pool = _pool_for(model, 128)
+    with FerroxCache(model.config, pool=pool, max_seq_len=ids.shape[1] + 40) as cache:
+        got = _gen(model, ids, cache, max_new_tokens=30, prompt_lookup_num_tokens=4)
+    assert torch.equal(ref, got)
+    assert sum(removed) > 0, "no draft was ever rolled back"
+    assert pool.free_blocks == 128
+
+
+def test_assisted_decoding_with_a_draft_model_is_identical(model):
+    ids = _prompt(10, seed=4)
+    ref = _gen(model, ids, DynamicCache(config=model.config), max_new_tokens=20)
+    d = model.config.to_dict()
+    d.pop("layer_types", None)
+    cfg = model.config.__class__(**{**d, "num_hidden_layers": 1})
+    torch.manual_seed(7)
+    draft = model.__class__(cfg).eval()
+    draft.generation_config.pad_token_id = 0
+    got = _gen(model, ids, FerroxCache(model.config), max_new_tokens=20, assistant_model=draft)
+    assert torch.equal(ref, got)
+
+
+def test_multi_turn_continuation_with_the_same_cache_is_identical(model):
+    turn1 = _prompt(10, seed=5)
+    user2 = _prompt(5, seed=6)
+    ref_cache, fx_cache = DynamicCache(config=model.config), FerroxCache(model.config)
+    ref1, got1 = _gen(model, turn1, ref_cache, max_new_tokens=15), _gen(model, turn1, fx_cache, max_new_tokens=15)
+    assert torch.equal(ref1, got1)
+    ref2 = _gen(model, torch.cat([ref1, user2], 1), ref_cache, max_new_tokens=15)
+    got2 = _gen(model, torch.cat([got1, user2], 1), fx_cache, max_new_tokens=15)
+    assert torch.equal(ref2, got2)
+    assert fx_cache.get_seq_length() == ref_cache.get_seq_length()
+
+
+def test_left_padded_batch_of_two_is_identical(model):
+    a, b = _prompt(12, seed=8), _prompt(7, seed=9)
+    ids = torch.zeros((2, 12), dtype=torch.long)
+    mask = torch.zeros((2, 12), dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 5:], mask[1, 5:] = b[0], 1
+    ref = _gen(model, ids, DynamicCache(config=model.config), attention_mask=mask, max_new_tokens=25)
+    pool = _pool_for(model, 64)
+    with FerroxCache(model.config, pool=pool, max_seq_len=40, batch_size=2) as cache:
+        got = _gen(model, ids, cache, attention_mask=mask, max_new_tokens=25)
+        assert cache.batch_size == 2
+    assert torch.equal(ref, got)
+    assert pool.free_blocks == 64
+
+
+def test_beam_search_with_three_beams_is_identical(model):
+    ids = _prompt(9, seed=10)
+    kw = dict(num_beams=3, max_new_tokens=20, early_stopping=True)
+    ref = _gen(model, ids, DynamicCache(config=model.config), **kw)
+    layers = model.config.num_hidden_layers
+    pool = _pool_for(model, 256)
+    with FerroxCache(model.config, pool=pool, max_seq_len=30) as cache:
+        got = _gen(model, ids, cache, **kw)
+        assert cache.batch_size == 3                          # reserved on the way
+        assert pool.used_blocks == 3 * layers * 4
+    assert torch.equal(ref, got)
+    assert pool.free_blocks == 256
+
+
+def test_beam_search_refuses_when_the_extra_beams_do_not_fit(model):
+    layers = model.config.num_hidden_layers
+    pool = _pool_for(model, 2 * layers * 4)                 # room for 2 of the 3 beams
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=30)
+    with pytest.raises(KvPoolExhausted):
+        _gen(model, _prompt(9, seed=10), cache, num_beams=3, max_new_tokens=5)
+    assert pool.used_blocks == layers * 4 and cache.batch_size == 1     # unchanged
+    cache.close()
+    assert pool.free_blocks == pool.total_blocks
+
+
+def test_sampling_is_identical_under_the_same_seed(model):
+    ids = _prompt(8, seed=11)
+    kw = dict(do_sample=True, top_k=20, temperature=0.9, max_new_tokens=30)
+    torch.manual_seed(99)
+    ref = _gen(model, ids, DynamicCache(config=model.config), **kw)
+    torch.manual_seed(99)
+    got = _gen(model, ids, FerroxCache(model.config, max_seq_len=64), **kw)
+    assert torch.equal(ref, got)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_deprecated_past_key_values_argument_works(model):
+    ids = _prompt(8, seed=12)
+    ref = _gen(model, ids, DynamicCache(config=model.config), max_new_tokens=10)
+    cache = FerroxCache(model.config)
+    with torch.no_grad():
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+    assert torch.equal(ref, got)
+    assert cache.get_seq_length() == ids.shape[1] + 9
+
+
+def test_reset_empties_every_layer_but_keeps_the_reservation(model):
+    pool = _pool_for(model, 64)
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=30)
+    ids = _prompt(8, seed=13)
+    first = _gen(model, ids, cache, max_new_tokens=10)
+    held = pool.used_blocks
+    cache.reset()
+    assert cache.get_seq_length() == 0 and pool.used_blocks == held
+    again = _gen(model, ids, cache, max_new_tokens=10)
+    assert torch.equal(first, again)
+    cache.close()
+    assert pool.free_blocks == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_are_identical_through_conversion(model, dtype):
+    half = model.to(dtype)
+    try:
+        ids = _prompt(10, seed=14)
+        ref = _gen(half, ids, DynamicCache(config=half.config), max_new_tokens=20)
+        got = _gen(half, ids, FerroxCache(half.config), max_new_tokens=20)
+        assert torch.equal(ref, got)
+    finally:
+        model.to(torch.float32)
