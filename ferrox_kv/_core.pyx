@@ -1325,26 +1325,23 @@ def push_layers(caches, k_steps, v_steps):
     together pay for it: this is the decode step's coarse call, the one that
     lets request threads run in parallel.
     """
-    cdef list cl = list(caches)
+    cdef list cl = caches if type(caches) is list else list(caches)
     cdef Py_ssize_t n_layers = len(cl), i, j, need, free_seen = 0, total_bytes
     cdef Pool* refused
     cdef KvCache c0, ci
     cdef Cache* c
-    cdef Pool* p
     cdef int rc
     if n_layers == 0:
         raise ValueError("caches is empty")
-    for i in range(n_layers):
+    if not isinstance(cl[0], KvCache):
+        raise TypeError(f"caches[0] is {type(cl[0]).__name__}, not KvCache")
+    c0 = <KvCache>cl[0]
+    for i in range(1, n_layers):           # one pass: type and geometry
         if not isinstance(cl[i], KvCache):
             raise TypeError(f"caches[{i}] is {type(cl[i]).__name__}, not KvCache")
-    c0 = <KvCache>cl[0]
-    for i in range(1, n_layers):
         ci = <KvCache>cl[i]
-        if (ci.n_kv_heads != c0.n_kv_heads or ci.head_dim != c0.head_dim
-                or ci.v_head_dim != c0.v_head_dim):
+        if ci.c.kw != c0.c.kw or ci.c.vw != c0.c.vw or ci.head_dim != c0.head_dim:
             raise ValueError(f"caches[{i}] has another geometry than caches[0]")
-    if len({id(x) for x in cl}) != n_layers:
-        raise ValueError("a cache appears more than once in caches")
     if not _fast_f32(k_steps):
         k_steps = _as_f32(k_steps, "k_steps")
     if not _fast_f32(v_steps):
@@ -1358,16 +1355,20 @@ def push_layers(caches, k_steps, v_steps):
     cdef const float* kp = <const float*>cnp.PyArray_DATA(ka)
     cdef const float* vp = <const float*>cnp.PyArray_DATA(va)
     cdef Py_ssize_t kw = c0.c.kw, vw = c0.c.vw
-    cdef Cache** cs = <Cache**>malloc(n_layers * sizeof(Cache*))
-    cdef char* took = <char*>calloc(n_layers, 1)
+    # one allocation: the cache pointers, then a "took a block" flag per layer
+    cdef Cache** cs = <Cache**>calloc(n_layers, sizeof(Cache*) + 1)
+    cdef char* took
     cdef Py_ssize_t claimed = 0
-    if cs == NULL or took == NULL:
-        free(cs); free(took)
+    if cs == NULL:
         raise MemoryError()
+    took = <char*>(cs + n_layers)
     try:
         for i in range(n_layers):
             cs[i] = &(<KvCache>cl[i]).c
             if not fx_try_claim(&cs[i].busy):
+                for j in range(i):          # claimed by this very call?
+                    if cs[j] == cs[i]:
+                        raise ValueError("a cache appears more than once in caches")
                 raise RuntimeError(_BUSY)
             claimed += 1
         # 1. blocks for every full pooled cache (undone if any is refused)
@@ -1417,7 +1418,6 @@ def push_layers(caches, k_steps, v_steps):
         for i in range(claimed):
             fx_unclaim(&cs[i].busy)
         free(cs)
-        free(took)
 
 
 # ---------------------------------------------------------------------------
