@@ -621,7 +621,7 @@ def main(argv=None):
         for geo in geos:
             _log(f"threads {geo} (1..{args.threads})")
             bench_threads(res, geo, args.threads, 2 if q else 5, 512,
-                          target_s=0.02 if q else 0.15, regime="cached", layer_bytes=1 << 20)
+                          target_s=0.02 if q else 0.15, regime="cached", layer_bytes=4 << 20)
             bench_threads(res, geo, args.threads, 2 if q else 5,
                           2048 if q else (8192 if geo != "wide" else 4096),
                           target_s=0.02 if q else 0.15, regime="stream")
