@@ -40,7 +40,10 @@ extensions = [
     )
 ]
 
+# A debug build keeps its generated C and its objects apart from the release
+# build's, so neither ever reuses the other's (different directives, ASan).
 setup(
-    # force: a debug build must never reuse C generated with other directives
-    ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, force=DEBUG),
+    ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, force=DEBUG,
+                          build_dir="build/debug-c" if DEBUG else None),
+    options={"build": {"build_base": "build/debug"}} if DEBUG else {},
 )
