@@ -264,7 +264,11 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread, target_s=0.1,
     n = max(chunk, rows_per_thread // chunk * chunk)
     pool = KvBlockPool(BLOCK_SIZE, max_threads * (-(-n // BLOCK_SIZE)), h, d)
     ks, vs = _rows(n, w, 5), _rows(n, w, 6)
-    steps = [(ks[i], vs[i]) for i in range(n)]
+    # every thread gets its own copy of the inputs, as real request threads
+    # have: shared Python objects would make the threads fight over reference
+    # counts (cache-line bouncing) and measure that instead
+    src = [(ks.copy(), vs.copy()) for _ in range(max_threads)]
+    steps = [[(k[i], v[i]) for i in range(n)] for k, v in src]
     caches = [KvCache.with_pool(h, d, pool, n) for _ in range(max_threads)]
     for c in caches:                    # touch the memory once: measure copies, not faults
         c.extend(ks, vs)
@@ -277,7 +281,7 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread, target_s=0.1,
     lpool = KvBlockPool(BLOCK_SIZE, max_threads * layers * (-(-n_tok // BLOCK_SIZE)), h, d)
     lcaches = [[KvCache.with_pool(h, d, lpool, n_tok) for _ in range(layers)]
                for _ in range(max_threads)]
-    lk, lv = _rows(layers, w, 11), _rows(layers, w, 12)
+    lsrc = [(_rows(layers, w, 11), _rows(layers, w, 12)) for _ in range(max_threads)]
     for cs in lcaches:
         for c in cs:
             c.advance_len(n_tok)
@@ -288,24 +292,24 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread, target_s=0.1,
         for c in cs:
             c.clear()
         for _ in range(n_tok):
-            ferrox_kv.push_layers(cs, lk, lv)
+            ferrox_kv.push_layers(cs, lsrc[i][0], lsrc[i][1])
 
     def push_work(i):
         c = caches[i]
         c.clear()
         push = c.push
-        for k, v in steps:
+        for k, v in steps[i]:
             push(k, v)
 
     def extend_work(i):
         c = caches[i]
         c.clear()
         for j in range(0, n, chunk):
-            c.extend(ks[j:j + chunk], vs[j:j + chunk])
+            c.extend(src[i][0][j:j + chunk], src[i][1][j:j + chunk])
 
     def floor_work(i):
-        _core._copy_floor(floor_dst[i], ks, w * chunk)
-        _core._copy_floor(floor_dst[i], vs, w * chunk)
+        _core._copy_floor(floor_dst[i], src[i][0], w * chunk)
+        _core._copy_floor(floor_dst[i], src[i][1], w * chunk)
 
     g = "threads"
     for name, fn, per in [("push", push_work, n), (f"extend({chunk})", extend_work, n),
@@ -564,6 +568,14 @@ def _targets(res):
         ("  hardware: 2 threads C copy floor, stream (32x128)", get("threads2_floor_stream", "wide"), "info", None),
         ("  hardware: 2 threads C copy floor, cached (32x128)", get("threads2_floor_cached", "wide"), "info", None),
     ]
+    # how much of what the hardware itself gives ferrox keeps (floor = C copy, no GIL)
+    for geo, label in [("llama8b", "8x128"), ("wide", "32x128")]:
+        for regime in ["cached", "stream"]:
+            fx = get(f"threads2_extend_{regime}", geo)
+            hw = get(f"threads2_floor_{regime}", geo)
+            if fx is not None and hw:
+                checks.append((f"  extend 2-thread scaling / floor's, {regime} ({label})",
+                               fx / hw, "info", None))
     dc = [r for r in res.rows if (r.get("key") or "").startswith("dynamic_cache_vs_ferrox")]
     if dc:
         top = max(dc, key=lambda r: r["context"])
