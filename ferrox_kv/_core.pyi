@@ -1,6 +1,8 @@
 """Type stubs for the compiled core ``ferrox_kv._core``."""
 from types import TracebackType
-from typing import Any
+from typing import Any, final
+
+from typing_extensions import disjoint_base
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +17,7 @@ class KvPoolExhausted(Exception):
     free: int
     def __init__(self, requested: int, free: int) -> None: ...
 
+@final
 class KvBlockPool:
     def __init__(
         self,
@@ -49,6 +52,7 @@ class KvBlockPool:
     def allocate(self, n: int) -> npt.NDArray[np.int32]: ...
     def free(self, block_ids: npt.ArrayLike) -> None: ...
 
+@disjoint_base
 class KvCache:
     def __init__(self, n_kv_heads: int, head_dim: int, *, v_head_dim: int | None = None) -> None: ...
     @staticmethod

@@ -433,6 +433,9 @@ cdef class KvBlockPool:
         if self.p == NULL:
             raise MemoryError(f"cannot allocate a pool of {total} blocks of {bs} positions")
 
+    def __init__(self, block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None):
+        pass    # all done in __cinit__; here so the signature is introspectable
+
     def __dealloc__(self):
         pool_decref(self.p)
         self.p = NULL
