@@ -752,11 +752,15 @@ cdef object _as_f32(object x, str name):
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-cdef inline bint _fast_f32(object x) noexcept:
-    return (cnp.PyArray_Check(x)
+cdef inline cnp.ndarray _f32(object x, str name):
+    """``x`` itself when it is a C-contiguous native float32 ndarray (the fast
+    path: no conversion, no temporary), else a converted copy."""
+    if (cnp.PyArray_Check(x)
             and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT32
             and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>x)
-            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x))
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x)):
+        return <cnp.ndarray>x
+    return _as_f32(x, name)
 
 
 # ---------------------------------------------------------------------------
@@ -1091,12 +1095,8 @@ cdef class KvCache:
         Wrong size or shape: ``ValueError``; a full pooled cache takes one more
         block, or raises ``KvPoolExhausted``. Either way nothing is appended.
         """
-        if not _fast_f32(k_step):
-            k_step = _as_f32(k_step, "k_step")
-        if not _fast_f32(v_step):
-            v_step = _as_f32(v_step, "v_step")
-        cdef cnp.ndarray ka = <cnp.ndarray>k_step
-        cdef cnp.ndarray va = <cnp.ndarray>v_step
+        cdef cnp.ndarray ka = _f32(k_step, "k_step")
+        cdef cnp.ndarray va = _f32(v_step, "v_step")
         self._check_step(ka, self.head_dim, "k_step")
         self._check_step(va, self.v_head_dim, "v_step")
         cdef const float* kp = <const float*>cnp.PyArray_DATA(ka)
@@ -1151,12 +1151,8 @@ cdef class KvCache:
         large. Mismatched T, wrong shape: ``ValueError``; too few free blocks:
         ``KvPoolExhausted``. Nothing is appended when it raises.
         """
-        if not _fast_f32(k_steps):
-            k_steps = _as_f32(k_steps, "k_steps")
-        if not _fast_f32(v_steps):
-            v_steps = _as_f32(v_steps, "v_steps")
-        cdef cnp.ndarray ka = <cnp.ndarray>k_steps
-        cdef cnp.ndarray va = <cnp.ndarray>v_steps
+        cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
+        cdef cnp.ndarray va = _f32(v_steps, "v_steps")
         cdef Py_ssize_t t = self._check_steps(ka, self.head_dim, "k_steps")
         cdef Py_ssize_t tv = self._check_steps(va, self.v_head_dim, "v_steps")
         if t != tv:
@@ -1345,12 +1341,8 @@ def push_layers(caches, k_steps, v_steps):
         ci = <KvCache>cl[i]
         if ci.c.kw != c0.c.kw or ci.c.vw != c0.c.vw or ci.head_dim != c0.head_dim:
             raise ValueError(f"caches[{i}] has another geometry than caches[0]")
-    if not _fast_f32(k_steps):
-        k_steps = _as_f32(k_steps, "k_steps")
-    if not _fast_f32(v_steps):
-        v_steps = _as_f32(v_steps, "v_steps")
-    cdef cnp.ndarray ka = <cnp.ndarray>k_steps
-    cdef cnp.ndarray va = <cnp.ndarray>v_steps
+    cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
+    cdef cnp.ndarray va = _f32(v_steps, "v_steps")
     if c0._check_steps(ka, c0.head_dim, "k_steps") != n_layers:
         raise ValueError(f"k_steps has {ka.shape[0]} rows for {n_layers} caches")
     if c0._check_steps(va, c0.v_head_dim, "v_steps") != n_layers:
