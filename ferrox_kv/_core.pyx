@@ -153,6 +153,7 @@ ctypedef struct Pool:
     float* v_arena
     int32_t* free_stack         # ids of free blocks; top at n_free - 1
     int32_t* block_refs         # per-block holder count (0 = free)
+    unsigned char* block_owner  # per-block holder kind: OWNER_FREE/CACHE/RAW
     Py_ssize_t high_water
     uint64_t acquired
     uint64_t released
@@ -161,6 +162,13 @@ ctypedef struct Pool:
     Pool* reg_next
 
 cdef Pool* _registry_head = NULL
+
+# Who holds a block: caches give back only what caches took, and
+# KvBlockPool.free only what KvBlockPool.allocate handed out.
+cdef enum:
+    OWNER_FREE = 0
+    OWNER_CACHE = 1
+    OWNER_RAW = 2
 
 
 cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
@@ -184,9 +192,11 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
     p.v_arena = <float*>calloc(n_v if n_v > 0 else 1, sizeof(float))
     p.free_stack = <int32_t*>malloc((total if total > 0 else 1) * sizeof(int32_t))
     p.block_refs = <int32_t*>calloc(total if total > 0 else 1, sizeof(int32_t))
+    p.block_owner = <unsigned char*>calloc(total if total > 0 else 1, 1)
     if (p.k_arena == NULL or p.v_arena == NULL or p.free_stack == NULL
-            or p.block_refs == NULL):
+            or p.block_refs == NULL or p.block_owner == NULL):
         free(p.k_arena); free(p.v_arena); free(p.free_stack); free(p.block_refs)
+        free(p.block_owner)
         free(p)
         return NULL
     fx_advise_huge(p.k_arena, n_k * sizeof(float))
@@ -227,12 +237,13 @@ cdef void pool_decref(Pool* p) noexcept nogil:
     free(p.v_arena)
     free(p.free_stack)
     free(p.block_refs)
+    free(p.block_owner)
     free(p)
 
 
 cdef int pool_take(Pool* p, Py_ssize_t n, int32_t* out,
-                   Py_ssize_t* free_seen) noexcept nogil:
-    """Take ``n`` blocks into ``out``, all or nothing.
+                   Py_ssize_t* free_seen, int owner=OWNER_CACHE) noexcept nogil:
+    """Take ``n`` blocks into ``out`` for ``owner``, all or nothing.
 
     Returns 0, or -1 when fewer than ``n`` are free (``free_seen`` then holds
     how many were). The lock is held only while ids move.
@@ -249,6 +260,7 @@ cdef int pool_take(Pool* p, Py_ssize_t n, int32_t* out,
         p.n_free -= 1
         b = p.free_stack[p.n_free]
         p.block_refs[b] = 1
+        p.block_owner[b] = <unsigned char>owner
         out[i] = b
     p.acquired += <uint64_t>n
     used = p.total - p.n_free
@@ -259,11 +271,13 @@ cdef int pool_take(Pool* p, Py_ssize_t n, int32_t* out,
     return 0
 
 
-cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
+cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n,
+                   int owner=OWNER_CACHE) noexcept nogil:
     """Drop one reference to each of ``ids``; blocks reaching 0 become free.
 
     All or nothing: returns -1 if an id is out of range, -2 if one is not
-    held as often as it is named (changing nothing either way); 0 otherwise.
+    held by ``owner`` as often as it is named (changing nothing either way);
+    0 otherwise.
     """
     cdef Py_ssize_t i, j
     cdef int32_t b
@@ -273,7 +287,7 @@ cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
     pthread_mutex_lock(&p.lock)
     for i in range(n):
         b = ids[i]
-        if p.block_refs[b] <= 0:
+        if p.block_refs[b] <= 0 or p.block_owner[b] != owner:
             for j in range(i):
                 p.block_refs[ids[j]] += 1
             pthread_mutex_unlock(&p.lock)
@@ -284,6 +298,7 @@ cdef int pool_give(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
         if p.block_refs[b] == 0:
             p.free_stack[p.n_free] = b
             p.n_free += 1
+            p.block_owner[b] = OWNER_FREE
             p.block_refs[b] = -1          # pushed once, even if named twice
             p.released += 1
     for i in range(n):
@@ -533,7 +548,8 @@ cdef class KvBlockPool:
         cdef Py_ssize_t free_seen = 0
         cdef cnp.npy_intp dim = count
         cdef cnp.ndarray ids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
-        cdef int rc = pool_take(self.p, count, <int32_t*>cnp.PyArray_DATA(ids), &free_seen)
+        cdef int rc = pool_take(self.p, count, <int32_t*>cnp.PyArray_DATA(ids), &free_seen,
+                                OWNER_RAW)
         if rc != 0:
             raise KvPoolExhausted(count, free_seen)
         return ids
@@ -561,12 +577,13 @@ cdef class KvBlockPool:
             if wide.size and (wide.min() < 0 or wide.max() >= self.p.total):
                 raise ValueError(f"block id out of range 0..{self.p.total - 1}")
             ids = wide.astype(np.int32)
-        rc = pool_give(self.p, <int32_t*>cnp.PyArray_DATA(ids), cnp.PyArray_SIZE(ids))
+        rc = pool_give(self.p, <int32_t*>cnp.PyArray_DATA(ids), cnp.PyArray_SIZE(ids), OWNER_RAW)
         if rc == -1:
             raise ValueError(f"block id out of range 0..{self.p.total - 1}")
         if rc != 0:
-            raise ValueError("block_ids names a block that is not held "
-                             "(double free?); nothing was given back")
+            raise ValueError("block_ids names a block that is not held from allocate() "
+                             "(a double free, or a block a cache holds); nothing was "
+                             "given back")
 
     def __repr__(self):
         return (f"KvBlockPool(block_size={self.p.block_size}, "
@@ -793,6 +810,8 @@ cdef class KvCache:
         self.rows = None
 
     def __init__(self, n_kv_heads, head_dim, *, v_head_dim=None):
+        if self.c.kw != 0:
+            raise RuntimeError("KvCache.__init__ called on a cache that is already set up")
         self._set_geometry(n_kv_heads, head_dim, v_head_dim)
 
     def __dealloc__(self):
@@ -1436,10 +1455,10 @@ def _take_give_loop(KvBlockPool pool not None, Py_ssize_t iters, Py_ssize_t batc
         raise MemoryError()
     with nogil:
         for i in range(iters):
-            if pool_take(pool.p, batch, ids, &free_seen) != 0:
+            if pool_take(pool.p, batch, ids, &free_seen, OWNER_RAW) != 0:
                 refused += 1
             else:
-                pool_give(pool.p, ids, batch)
+                pool_give(pool.p, ids, batch, OWNER_RAW)
     free(ids)
     return refused
 

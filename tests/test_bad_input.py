@@ -94,6 +94,10 @@ CASES += [
     ("pool_allocate_negative", lambda p, cs: p.allocate(-1), ValueError, "n must be"),
     ("pool_free_unheld", lambda p, cs: p.free([cs[2].block_table[0], cs[2].block_table[0]]), ValueError, "not held"),
     ("pool_free_out_of_range", lambda p, cs: p.free([99]), ValueError, "out of range"),
+    ("pool_free_a_cache_block", lambda p, cs: p.free(cs[2].block_table[:1]), ValueError, "a cache holds"),
+    ("pool_free_floats", lambda p, cs: p.free([1.0]), TypeError, "integers"),
+    ("cache_reinit", lambda p, cs: cs[0].__init__(1, 1), RuntimeError, "already set up"),
+    ("pooled_cache_reinit", lambda p, cs: cs[2].__init__(H, D), RuntimeError, "already set up"),
 ]
 
 
