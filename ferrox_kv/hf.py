@@ -141,31 +141,26 @@ class FerroxLayer(CacheLayerMixin):
             cache.truncate(new_len)
 
     def reorder_cache(self, beam_idx) -> None:
-        """Sequence b takes the rows of sequence beam_idx[b] (beam search)."""
-        order = [int(i) for i in beam_idx.tolist()]
+        """Sequence b takes the rows of sequence beam_idx[b] (beam search).
+
+        Every source is copied out before any sequence is rewritten; the
+        rewritten ones stay within their reservation (no new blocks)."""
+        order = [int(i) for i in (beam_idx.tolist() if hasattr(beam_idx, "tolist") else beam_idx)]
         if order == list(range(len(self.seqs))):
             return
-        sources = {i: self.seqs[i]._views() for i in set(order)}
-        snap = {i: (np.array(kv, copy=True) if not self.seqs[i].is_pooled else kv,
-                    np.array(vv, copy=True) if not self.seqs[i].is_pooled else vv)
-                for i, (kv, vv) in sources.items()}
+        if len(order) != len(self.seqs):
+            raise ValueError(f"beam_idx has {len(order)} entries for {len(self.seqs)} sequences")
+        snap = {}
+        for i in set(order):
+            kv, vv = self.seqs[i]._views()   # pooled: already a copy
+            snap[i] = (kv, vv) if self.seqs[i].is_pooled else (kv.copy(), vv.copy())
         for b, src in enumerate(order):
             if src == b:
                 continue
             kv, vv = snap[src]
             cache = self.seqs[b]
             cache.clear()
-            cache.extend(kv, vv)              # within the reservation: no new blocks
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        order = [b for b in range(len(self.seqs)) for _ in range(repeats)]
-        self._owner._ensure_batch(len(order))
-        self.reorder_cache(torch.tensor(order))
-
-    def batch_select_indices(self, indices) -> None:
-        keep = [int(i) for i in torch.as_tensor(indices).tolist()]
-        self.reorder_cache(torch.tensor(keep + list(range(len(keep), len(self.seqs)))))
-        self._owner._shrink_batch(len(keep))
+            cache.extend(kv, vv)
 
     def offload(self):
         pass
@@ -243,6 +238,30 @@ class FerroxCache(Cache):
             for cache in layer.seqs[batch:]:
                 cache.close()
             del layer.seqs[batch:]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times (sequence b -> b*repeats ..
+        b*repeats + repeats - 1), reserving the new sequences in every layer at
+        once first (or ``KvPoolExhausted`` with nothing changed)."""
+        have = self.batch_size
+        self._ensure_batch(have * repeats)
+        order = [b // repeats for b in range(have * repeats)]
+        for layer in self.layers:
+            layer.reorder_cache(order)
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep only the sequences ``indices`` (in that order); the blocks of
+        the others go back to the pool."""
+        keep = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
+        have = self.batch_size
+        if any(i < 0 or i >= have for i in keep):
+            raise IndexError(f"indices {keep} out of range for batch {have}")
+        if len(keep) > have:
+            raise ValueError(f"{len(keep)} indices for a batch of {have}")
+        order = keep + list(range(len(keep), have))
+        for layer in self.layers:
+            layer.reorder_cache(order)
+        self._shrink_batch(len(keep))
 
     @property
     def batch_size(self) -> int:

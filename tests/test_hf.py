@@ -262,3 +262,48 @@ def test_half_precision_models_are_identical_through_conversion(model, dtype):
         assert torch.equal(ref, got)
     finally:
         model.to(torch.float32)
+
+
+def _prefilled(cache, model, ids):
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _layer_kv(cache, i):
+    layer = cache.layers[i]
+    if isinstance(layer, FerroxLayer):
+        return layer._gather()
+    return layer.keys, layer.values
+
+
+def test_batch_repeat_interleave_and_select_indices_match_dynamic_cache(model):
+    ids = _prompt(7, seed=15, batch=2)
+    pool = _pool_for(model, 128)
+    ref = _prefilled(DynamicCache(config=model.config), model, ids)
+    fx = _prefilled(FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2), model, ids)
+    layers = model.config.num_hidden_layers
+    for step in [lambda c: c.batch_repeat_interleave(3),
+                 lambda c: c.batch_select_indices(torch.tensor([5, 0, 3]))]:
+        step(ref)
+        step(fx)
+        for i in range(layers):
+            rk, rv = _layer_kv(ref, i)
+            fk, fv = _layer_kv(fx, i)
+            assert torch.equal(rk, fk) and torch.equal(rv, fv)
+    assert fx.batch_size == 3 and pool.used_blocks == 3 * layers * 2
+    fx.close()
+    assert pool.free_blocks == 128
+
+
+def test_batch_repeat_interleave_refuses_with_nothing_changed_when_the_pool_is_short(model):
+    layers = model.config.num_hidden_layers
+    pool = _pool_for(model, 3 * layers * 2)            # room for 3 sequences, not 4
+    fx = _prefilled(FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2),
+                    model, _prompt(7, seed=16, batch=2))
+    before = [(_layer_kv(fx, i)[0].clone()) for i in range(layers)]
+    with pytest.raises(KvPoolExhausted):
+        fx.batch_repeat_interleave(2)
+    assert fx.batch_size == 2 and pool.used_blocks == 2 * layers * 2
+    assert all(torch.equal(before[i], _layer_kv(fx, i)[0]) for i in range(layers))
+    fx.close()
