@@ -329,37 +329,36 @@ cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil:
 
 def _fork_before():
     # Take the registry lock, then every pool lock (lock order: registry,
-    # then pools; pool operations never take the registry lock). Holders of a
-    # pool lock never wait for the GIL, so this cannot deadlock.
+    # then pools; pool operations never take the registry lock), all WITH the
+    # GIL held, and keep it until fork() returns: a thread that holds a pool
+    # lock never needs the GIL, so it always lets go; and no other thread can
+    # hold the GIL while it waits for a pool lock we hold. (Releasing the GIL
+    # here deadlocked: another thread took it, then waited in pool_take for a
+    # lock this thread held, while this thread waited for the GIL.)
     cdef Pool* p
-    with nogil:
-        pthread_mutex_lock(&fx_registry_lock)
-        p = _registry_head
-        while p != NULL:
-            pthread_mutex_lock(&p.lock)
-            p = p.reg_next
+    pthread_mutex_lock(&fx_registry_lock)
+    p = _registry_head
+    while p != NULL:
+        pthread_mutex_lock(&p.lock)
+        p = p.reg_next
 
 
 def _fork_after_parent():
-    cdef Pool* p
-    with nogil:
-        p = _registry_head
-        while p != NULL:
-            pthread_mutex_unlock(&p.lock)
-            p = p.reg_next
-        pthread_mutex_unlock(&fx_registry_lock)
+    cdef Pool* p = _registry_head
+    while p != NULL:
+        pthread_mutex_unlock(&p.lock)
+        p = p.reg_next
+    pthread_mutex_unlock(&fx_registry_lock)
 
 
 def _fork_after_child():
     # The child has one thread (this one); the free lists are consistent
     # because no other thread was inside a locked region at fork time.
-    cdef Pool* p
-    with nogil:
-        p = _registry_head
-        while p != NULL:
-            pthread_mutex_init(&p.lock, NULL)
-            p = p.reg_next
-        pthread_mutex_init(&fx_registry_lock, NULL)
+    cdef Pool* p = _registry_head
+    while p != NULL:
+        pthread_mutex_init(&p.lock, NULL)
+        p = p.reg_next
+    pthread_mutex_init(&fx_registry_lock, NULL)
 
 
 if hasattr(os, "register_at_fork"):

@@ -205,3 +205,42 @@ def test_gc_inside_pool_operations_never_reenters_the_free_list():
     assert result and calls
     gc.collect()
     assert pool.free_blocks == 64
+
+
+_FORK_UNDER_LOAD = r"""
+import os, threading, numpy as np
+from ferrox_kv import KvBlockPool, KvCache
+pool = KvBlockPool(1, 64, 1, 4)
+stop = False
+def churn():                                   # pool operations with the GIL held
+    one = np.ones(4, np.float32)
+    while not stop:
+        c = KvCache.with_pool(1, 4, pool, 1)
+        for _ in range(8):
+            c.push(one, one)                   # takes a block per position
+        ids = pool.allocate(2)
+        pool.free(ids)
+        c.close()
+threads = [threading.Thread(target=churn) for _ in range(2)]
+for t in threads: t.start()
+for i in range(200):
+    pid = os.fork()
+    if pid == 0:
+        c = KvCache.with_pool(1, 4, pool, 2)   # the child's pool must be usable
+        c.close()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+stop = True
+for t in threads: t.join()
+assert pool.free_blocks == 64
+print("ok")
+"""
+
+
+def test_fork_while_other_threads_use_the_pool_never_deadlocks():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FORK_UNDER_LOAD], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
