@@ -27,6 +27,10 @@ Copies, said plainly:
   place instead (``pool.key_blocks`` and ``KvCache.block_table``);
 * out, bf16/fp16 or GPU models: converted back to the model's dtype/device.
 
+Sliding-window layers are stored whole (the attention mask still applies the
+window), so they cost full-length memory; models with non-attention layers
+(linear attention, state-space) are refused with ``ValueError``.
+
 Reservation. With a pool, the blocks for ``max_seq_len`` positions of every
 layer of ``batch_size`` sequences are taken at construction in one
 acquisition, all or none (``KvPoolExhausted``, pool untouched). A larger batch
@@ -186,9 +190,18 @@ class FerroxCache(Cache):
     blocks back as soon as the request is done.
     """
 
+    # layers whose state is K/V rows; others (linear attention, recurrent,
+    # compressed) keep state a KvCache cannot hold
+    ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
     def __init__(self, config, pool: KvBlockPool | None = None, max_seq_len: int | None = None,
                  batch_size: int = 1):
         n_layers, n_kv, head_dim = kv_geometry(config)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        odd = sorted({t for t in (getattr(text, "layer_types", None) or [])
+                      if t not in self.ATTENTION_LAYER_TYPES})
+        if odd:
+            raise ValueError(f"FerroxCache holds attention K/V only; this model has {odd} layers")
         if pool is not None:
             if max_seq_len is None:
                 raise ValueError("max_seq_len is required with a pool: it is what gets reserved")

@@ -307,3 +307,12 @@ def test_batch_repeat_interleave_refuses_with_nothing_changed_when_the_pool_is_s
     assert fx.batch_size == 2 and pool.used_blocks == 2 * layers * 2
     assert all(torch.equal(before[i], _layer_kv(fx, i)[0]) for i in range(layers))
     fx.close()
+
+
+def test_models_with_non_attention_layers_are_refused():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    cfg.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="linear_attention"):
+        FerroxCache(cfg)
