@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
                                  invariant, precondition, rule)
 
-from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 
 H, D, VD = 1, 3, 2
 KW, VW = H * D, H * VD
@@ -114,6 +114,50 @@ class CacheMachine(RuleBasedStateMachine):
         ka = np.array(ks, np.float32).reshape(t, H, D)
         va = np.array(vs, np.float64).reshape(t, VW)
         self._grow(c, m, t, lambda: c.extend(ka, va), ks, vs)
+
+    @rule(data=st.data())
+    def push_layers(self, data):
+        """One position into several caches at once: all or nothing."""
+        if not self.live:
+            return
+        idx = data.draw(st.lists(st.integers(0, len(self.live) - 1), min_size=1,
+                                 max_size=len(self.live), unique=True))
+        group = [self.live[i] for i in idx]
+        ks = [self._row(KW) for _ in group]
+        vs = [self._row(VW) for _ in group]
+        need = sum(self._need(m, 1) for _, m in group if m.pooled)
+        try:
+            push_layers([c for c, _ in group], np.array(ks, np.float32),
+                        np.array(vs, np.float32).reshape(len(group), H, VD))
+        except KvPoolExhausted as e:
+            assert need > self.free and e.requested == need and e.free == self.free
+            return
+        assert need <= self.free
+        for (c, m), k, v in zip(group, ks, vs):
+            if m.pooled and self._need(m, 1):
+                m.blocks += 1
+                self.free -= 1
+            m.k.append(k)
+            m.v.append(v)
+
+    @rule(target=caches, count=st.integers(1, 3), max_len=st.integers(0, 7))
+    def create_many(self, count, max_len):
+        per = max(1, -(-max_len // BS))
+        try:
+            made = KvCache.with_pool_many(count, H, D, self.pool, max_len, v_head_dim=VD)
+        except KvPoolExhausted as e:
+            assert per * count > self.free and e.requested == per * count
+            c, m = KvCache(H, D, v_head_dim=VD), Model(False)
+            self.live.append((c, m))
+            return self._slot(c, m)
+        assert per * count <= self.free
+        self.free -= per * count
+        slots = []
+        for c in made:
+            m = Model(True, per)
+            self.live.append((c, m))
+            slots.append(self._slot(c, m))
+        return slots[0]        # the others live on in self.live (and get checked)
 
     @rule(cm=caches, n=st.integers(0, 7))
     def advance(self, cm, n):
