@@ -579,8 +579,10 @@ def _targets(res):
     dc = [r for r in res.rows if (r.get("key") or "").startswith("dynamic_cache_vs_ferrox")]
     if dc:
         top = max(dc, key=lambda r: r["context"])
+        # the target is set at 2048 tokens of context; shorter runs only inform
         checks.append((f"DynamicCache / ferrox per token @ {top['context']} ctx",
-                       top["ratio"], ">=", 100.0))
+                       top["ratio"], ">=" if top["context"] >= 2048 else "info",
+                       100.0 if top["context"] >= 2048 else None))
     lines = ["\n== targets (this run)"]
     out = []
     for name, value, op, goal in checks:
