@@ -347,3 +347,29 @@ def test_with_pool_many_reserves_every_cache_or_none(make_rows):
     import gc
     gc.collect()
     assert pool.free_blocks == 10
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm") or
+                    __import__("os").environ.get("FERROX_KV_ASAN") == "1",
+                    reason="needs Linux /proc; AddressSanitizer quarantines freed memory")
+def test_many_cache_lifetimes_do_not_grow_resident_memory(make_rows):
+    pool = KvBlockPool(16, 64, 8, 128)
+    k = make_rows(40, 1024)
+
+    def churn(n):
+        for _ in range(n):
+            for c in (KvCache.with_pool(8, 128, pool, 40), KvCache(8, 128),
+                      KvCache.with_capacity(8, 128, 40)):
+                c.extend(k, k)
+                c.truncate(3)
+                c.copy()
+                c.release_to_pool()
+                c.k, c.v, c.block_table
+            ids = pool.allocate(3)
+            pool.free(ids)
+
+    churn(200)                                    # warm up allocators
+    before = _rss_bytes()
+    churn(2000)                                   # ~ 2000 x 3 x 320 KiB allocated and freed
+    assert _rss_bytes() - before < 16 << 20
+    assert pool.free_blocks == 64

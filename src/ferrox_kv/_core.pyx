@@ -25,7 +25,6 @@ Locking rules (see the README's "Thread safety"):
 """
 
 cimport cython
-from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int32_t, uint64_t, INT32_MAX
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
@@ -517,8 +516,7 @@ cdef class KvBlockPool:
         dims[2] = self.n_kv_heads
         dims[3] = width_last
         cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(4, dims, cnp.NPY_FLOAT32, base)
-        Py_INCREF(self)
-        cnp.PyArray_SetBaseObject(arr, self)
+        cnp.set_array_base(arr, self)          # the view keeps the pool alive
         cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
         return arr
 
@@ -1000,8 +998,7 @@ cdef class KvCache:
             return arr
         arr = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_FLOAT32,
                                             self.rows.v if want_v else self.rows.k)
-        Py_INCREF(self.rows)
-        cnp.PyArray_SetBaseObject(arr, self.rows)
+        cnp.set_array_base(arr, self.rows)     # the view keeps its buffer alive
         cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
         return arr
 
