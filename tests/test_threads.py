@@ -56,6 +56,17 @@ def _worker(pool, seed, steps, errors, h, d):
                 except KvPoolExhausted:
                     continue
                 ks.extend(base), vs.extend(base * 2)
+            elif op < 0.70:
+                group = rng.sample(live, rng.randint(1, len(live)))
+                counter += 1
+                rows = np.arange(len(group) * w, dtype=np.float32).reshape(len(group), w) + counter
+                counter += len(group) * w
+                try:
+                    ferrox_kv.push_layers([g[0] for g in group], rows, -rows)
+                except KvPoolExhausted:
+                    continue
+                for g, row in zip(group, rows):
+                    g[1].append(row), g[2].append(-row)
             elif op < 0.75:
                 n = rng.randint(0, len(ks))
                 c.truncate(n)
