@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
-                                 invariant, precondition, rule)
+                                 invariant, rule)
 
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 

@@ -40,7 +40,6 @@ at the end of a ``with`` block, or when the cache is garbage-collected.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
