@@ -4,12 +4,10 @@ how much ferrox's GIL release gives when memory bandwidth is not the limit.
 
     python benchmarks/extend_scaling.py
 """
-import threading
-import time
-
 import numpy as np
 
 import ferrox_kv as fk
+from _threads import rounds_per_second
 
 
 def run(nt, h, d, t, pooled, secs=0.5):
@@ -19,25 +17,12 @@ def run(nt, h, d, t, pooled, secs=0.5):
     cs = [fk.KvCache.with_pool(h, d, pool, t) if pooled else fk.KvCache.with_capacity(h, d, t)
           for _ in range(nt)]
     srcs = [ks.copy() for _ in range(nt)]
-    cnt = [0] * nt
-    stop = time.perf_counter() + secs
-    bar = threading.Barrier(nt)
 
-    def work(i):
-        c, src = cs[i], srcs[i]
-        bar.wait()
-        while time.perf_counter() < stop:
-            c.clear()
-            c.extend(src, src)
-            cnt[i] += 1
+    def one_round(i):
+        cs[i].clear()
+        cs[i].extend(srcs[i], srcs[i])
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(nt)]
-    t0 = time.perf_counter()
-    for th in ts:
-        th.start()
-    for th in ts:
-        th.join()
-    return sum(cnt) * t / (time.perf_counter() - t0)
+    return rounds_per_second(nt, one_round, secs) * t
 
 
 def main():

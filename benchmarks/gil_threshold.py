@@ -9,13 +9,12 @@ relative to one thread holding the GIL. Ratios from one run.
     python benchmarks/gil_threshold.py [--threads N] [--seconds S]
 """
 import argparse
-import threading
-import time
 
 import numpy as np
 
 import ferrox_kv
 from ferrox_kv import KvCache
+from _threads import rounds_per_second
 
 
 def run(nthreads, row_bytes, work_bytes, min_seconds):
@@ -26,28 +25,14 @@ def run(nthreads, row_bytes, work_bytes, min_seconds):
     caches = [KvCache.with_capacity(1, d, n) for _ in range(nthreads)]
     for c in caches:
         c.extend(src, src)
-    rounds = [0] * nthreads
-    stop = time.perf_counter() + min_seconds
-    barrier = threading.Barrier(nthreads)
 
-    def work(i):
+    def one_round(i):
         c = caches[i]
-        push = c.push
-        barrier.wait()
-        while time.perf_counter() < stop:
-            c.clear()
-            for k, v in steps:
-                push(k, v)
-            rounds[i] += 1
+        c.clear()
+        for k, v in steps:
+            c.push(k, v)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(nthreads)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    dt = time.perf_counter() - t0
-    return sum(rounds) * n * row_bytes / dt / 1e9      # GB/s copied
+    return rounds_per_second(nthreads, one_round, min_seconds) * n * row_bytes / 1e9  # GB/s
 
 
 def main():

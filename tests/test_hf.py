@@ -316,3 +316,24 @@ def test_models_with_non_attention_layers_are_refused():
     cfg.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="linear_attention"):
         FerroxCache(cfg)
+
+
+def test_bad_arguments_are_refused_with_the_pool_untouched(model):
+    pool = _pool_for(model, 64)
+    with pytest.raises(ValueError, match="batch_size"):
+        FerroxCache(model.config, pool=pool, max_seq_len=8, batch_size=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        FerroxCache(model.config, pool=pool, max_seq_len=-1)
+    assert pool.free_blocks == 64 and pool.stats()["acquired"] == 0
+    cache = _prefilled(FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2),
+                       model, _prompt(5, seed=17, batch=2))
+    held = pool.used_blocks
+    before = _layer_kv(cache, 0)[0].clone()
+    with pytest.raises(IndexError, match="out of range"):
+        cache.batch_select_indices(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="entries"):
+        cache.layers[0].reorder_cache(torch.tensor([0, 1, 1]))
+    assert pool.used_blocks == held and cache.batch_size == 2
+    assert torch.equal(before, _layer_kv(cache, 0)[0])
+    cache.close()
+    assert pool.free_blocks == 64
