@@ -708,6 +708,41 @@ cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
         r += m
 
 
+# The same three copies, called with the GIL held: they release it only when
+# the bytes pay for it (Cython's `with nogil(cond)` takes compile-time
+# conditions only, so the branch lives here, once).
+
+cdef inline bint _release_pays(Py_ssize_t nbytes) noexcept:
+    return nbytes >= _gil_release_bytes
+
+
+cdef void _write_rows(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                      const float* k, const float* v) noexcept:
+    if _release_pays(n * (c.kw + c.vw) * <Py_ssize_t>sizeof(float)):
+        with nogil:
+            cache_write(c, start, n, k, v)
+    else:
+        cache_write(c, start, n, k, v)
+
+
+cdef void _zero_rows(Cache* c, Py_ssize_t start, Py_ssize_t n) noexcept:
+    if _release_pays(n * (c.kw + c.vw) * <Py_ssize_t>sizeof(float)):
+        with nogil:
+            cache_zero(c, start, n)
+    else:
+        cache_zero(c, start, n)
+
+
+cdef void _gather_rows(Cache* c, Py_ssize_t n, float* k_out, float* v_out) noexcept:
+    """The first n rows into contiguous outputs (either may be NULL)."""
+    cdef Py_ssize_t width = (c.kw if k_out != NULL else 0) + (c.vw if v_out != NULL else 0)
+    if _release_pays(n * width * <Py_ssize_t>sizeof(float)):
+        with nogil:
+            cache_gather(c, 0, n, k_out, v_out)
+    else:
+        cache_gather(c, 0, n, k_out, v_out)
+
+
 cdef int cache_detach(Cache* c) noexcept nogil:
     """Give every block back and drop the pool reference (pooled caches)."""
     if c.pool == NULL:
@@ -986,11 +1021,7 @@ cdef class KvCache:
         if self.c.pool != NULL:
             arr = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
             data = <float*>cnp.PyArray_DATA(arr)
-            if n * (self.c.vw if want_v else self.c.kw) * <Py_ssize_t>sizeof(float) >= _gil_release_bytes:
-                with nogil:
-                    cache_gather(&self.c, 0, n, NULL if want_v else data, data if want_v else NULL)
-            else:
-                cache_gather(&self.c, 0, n, NULL if want_v else data, data if want_v else NULL)
+            _gather_rows(&self.c, n, NULL if want_v else data, data if want_v else NULL)
             return arr
         if self.rows is None:
             arr = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
@@ -1085,18 +1116,9 @@ cdef class KvCache:
             new_cap = 4
         r = _rows_new(new_cap, self.c.kw, self.c.vw)
         if self.c.len:
-            self._copy_out(r.k, r.v, self.c.len)
+            _gather_rows(&self.c, self.c.len, r.k, r.v)
         self._set_rows(r)
         return 0
-
-    cdef void _copy_out(self, float* k_out, float* v_out, Py_ssize_t n) noexcept:
-        """Gather the first n rows into contiguous outputs, GIL released when
-        it pays."""
-        if n * (self.c.kw + self.c.vw) * <Py_ssize_t>sizeof(float) >= _gil_release_bytes:
-            with nogil:
-                cache_gather(&self.c, 0, n, k_out, v_out)
-        else:
-            cache_gather(&self.c, 0, n, k_out, v_out)
 
     # -- appending ----------------------------------------------------------
 
@@ -1122,10 +1144,9 @@ cdef class KvCache:
         try:
             if c.len == c.cap:
                 self._make_room(1)
-            if (c.kw + c.vw) * <Py_ssize_t>sizeof(float) >= _gil_release_bytes:
-                with nogil:
-                    cache_write(c, c.len, 1, kp, vp)
-            elif c.pool == NULL:
+            if _release_pays((c.kw + c.vw) * <Py_ssize_t>sizeof(float)):
+                _write_rows(c, c.len, 1, kp, vp)
+            elif c.pool == NULL:          # the hot path: two memcpys, no loop
                 memcpy(c.k + <size_t>c.len * <size_t>c.kw, kp, <size_t>c.kw * sizeof(float))
                 memcpy(c.v + <size_t>c.len * <size_t>c.vw, vp, <size_t>c.vw * sizeof(float))
             else:
@@ -1179,11 +1200,7 @@ cdef class KvCache:
             raise RuntimeError(_BUSY)
         try:
             self._make_room(t)
-            if t * (c.kw + c.vw) * <Py_ssize_t>sizeof(float) >= _gil_release_bytes:
-                with nogil:
-                    cache_write(c, c.len, t, kp, vp)
-            else:
-                cache_write(c, c.len, t, kp, vp)
+            _write_rows(c, c.len, t, kp, vp)
             c.len += t
         finally:
             fx_unclaim(&c.busy)
@@ -1196,11 +1213,7 @@ cdef class KvCache:
             raise RuntimeError(_BUSY)
         try:
             self._make_room(count)
-            if count * (c.kw + c.vw) * <Py_ssize_t>sizeof(float) >= _gil_release_bytes:
-                with nogil:
-                    cache_zero(c, c.len, count)
-            else:
-                cache_zero(c, c.len, count)
+            _zero_rows(c, c.len, count)
             c.len += count
         finally:
             fx_unclaim(&c.busy)
@@ -1244,7 +1257,7 @@ cdef class KvCache:
             if self.c.pool == NULL:
                 return
             r = _rows_new(self.c.cap, self.c.kw, self.c.vw)
-            self._copy_out(r.k, r.v, self.c.len)
+            _gather_rows(&self.c, self.c.len, r.k, r.v)
             cache_detach(&self.c)
             self._set_rows(r)
         finally:
@@ -1302,7 +1315,7 @@ cdef class KvCache:
             out.c.plan = self.c.plan
             if self.c.len:
                 r = _rows_new(self.c.len, self.c.kw, self.c.vw)
-                self._copy_out(r.k, r.v, self.c.len)
+                _gather_rows(&self.c, self.c.len, r.k, r.v)
                 out._set_rows(r)
             out.c.len = self.c.len
         finally:
@@ -1415,7 +1428,7 @@ def push_layers(caches, k_steps, v_steps):
             raise
         # 3. the copies, in one loop
         total_bytes = n_layers * (kw + vw) * <Py_ssize_t>sizeof(float)
-        if total_bytes >= _gil_release_bytes:
+        if _release_pays(total_bytes):
             with nogil:
                 for i in range(n_layers):
                     cache_write(cs[i], cs[i].len, 1, kp + i * kw, vp + i * vw)
@@ -1459,8 +1472,7 @@ def _take_give_loop(KvBlockPool pool not None, Py_ssize_t iters, Py_ssize_t batc
     return refused
 
 
-def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t row_floats,
-                bint nogil_copy=True):
+def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t row_floats):
     """memcpy ``src`` into ``dst`` row by row (rows of ``row_floats``), one C
     loop, no Python per row: the memory-bandwidth floor for the benchmark."""
     cdef char* d = <char*>cnp.PyArray_DATA(dst)
@@ -1470,12 +1482,7 @@ def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t r
     cdef size_t off = 0
     if cnp.PyArray_NBYTES(dst) < <cnp.npy_intp>nbytes or row == 0:
         raise ValueError("dst smaller than src, or empty rows")
-    if nogil_copy:
-        with nogil:
-            while off + row <= nbytes:
-                memcpy(d + off, s + off, row)
-                off += row
-    else:
+    with nogil:
         while off + row <= nbytes:
             memcpy(d + off, s + off, row)
             off += row
