@@ -230,7 +230,7 @@ class FerroxCache(Cache):
 
     def _ensure_batch(self, batch: int) -> None:
         """Grow every layer to ``batch`` sequences: all layers or none."""
-        have = len(self.layers[0].seqs) if self.layers else 0
+        have = self.batch_size
         if batch <= have:
             return
         extra = batch - have
