@@ -337,3 +337,14 @@ def test_bad_arguments_are_refused_with_the_pool_untouched(model):
     assert torch.equal(before, _layer_kv(cache, 0)[0])
     cache.close()
     assert pool.free_blocks == 64
+
+
+def test_a_smaller_batch_than_the_cache_holds_is_refused_with_nothing_changed(model):
+    pool = _pool_for(model, 64)
+    cache = _prefilled(FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2),
+                       model, _prompt(5, seed=18, batch=2))
+    held, length = pool.used_blocks, cache.get_seq_length()
+    with pytest.raises(ValueError, match="batch of 1"):
+        _prefilled(cache, model, _prompt(1, seed=19, batch=1))
+    assert pool.used_blocks == held and cache.get_seq_length() == length
+    cache.close()

@@ -83,7 +83,10 @@ class FerroxLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch = key_states.shape[0]
-        if batch != len(self.seqs):
+        if batch < len(self.seqs):
+            raise ValueError(f"update got a batch of {batch} for a cache holding {len(self.seqs)} "
+                             "sequences; use batch_select_indices to shrink it first")
+        if batch > len(self.seqs):
             self._owner._ensure_batch(batch)
         # (B, H, T, D) -> (B, T, H, D) float32 on the CPU; no copy for one
         # float32 CPU token, whose (H, 1, D) rows are already (1, H, D).
