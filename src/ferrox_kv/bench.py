@@ -343,10 +343,15 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread, target_s=0.1,
             for _ in range(loops):
                 fn(i)
 
+        # thread counts interleaved within each repetition, so that a slow
+        # spell of this shared machine hits every count, not just one
+        best = {t: float("inf") for t in counts}
+        for _ in range(reps):
+            for t in counts:
+                best[t] = min(best[t], _run_threads(t, looped))
         base = None
         for t in counts:
-            dt = min(_run_threads(t, looped) for _ in range(reps))
-            rate = t * per * loops / dt
+            rate = t * per * loops / best[t]
             if base is None:
                 base = rate
             key = None
