@@ -32,7 +32,7 @@ else:
 extensions = [
     Extension(
         "ferrox_kv._core",
-        ["src/ferrox_kv/_core.pyx"],
+        ["ferrox_kv/_core.pyx"],
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")],
         extra_compile_args=compile_args,

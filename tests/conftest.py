@@ -24,6 +24,6 @@ def pytest_configure(config):
     import os
     if os.environ.get("FERROX_KV_REQUIRE_INSTALLED") == "1":
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        src = os.path.join(here, "src", "ferrox_kv")
+        src = os.path.join(here, "ferrox_kv")
         if os.path.dirname(os.path.abspath(ferrox_kv.__file__)) == src:
             raise RuntimeError(f"tests imported ferrox_kv from the source tree ({src})")

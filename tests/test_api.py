@@ -105,7 +105,7 @@ def test_view_survives_close_and_cache_deletion(make_rows):
     c.extend(data, data)
     view = c.k
     c.close()
-    assert c.seq_len == 0 and c.allocated_bytes() == 0
+    assert c.seq_len == 0 and c.capacity == 0 and c.closed
     del c
     gc.collect()
     np.testing.assert_array_equal(view.reshape(3, 4), data)
@@ -190,8 +190,13 @@ def test_with_block_returns_blocks_exactly_once():
     with KvCache.with_pool(1, 1, pool, 9) as c:
         c.advance_len(9)
         assert pool.free_blocks == 1
-    assert pool.free_blocks == 4 and c.seq_len == 0 and not c.is_pooled
-    c.close()
+    assert pool.free_blocks == 4 and c.seq_len == 0 and not c.is_pooled and c.closed
+    c.close()                                      # idempotent
+    with pytest.raises(ValueError, match="KvCache is closed"):
+        c.push([0.0], [0.0])
+    with pytest.raises(ValueError, match="KvCache is closed"):
+        with c:
+            pass
     del c
     gc.collect()
     assert pool.free_blocks == 4 and pool.stats()["released"] == 3
@@ -232,7 +237,8 @@ def test_pool_stats_count_everything():
     s = pool.stats()
     assert s == {"total_blocks": 5, "free_blocks": 2, "used_blocks": 3, "high_water": 5,
                  "acquired": 5, "released": 2, "refused": 1, "block_size": 2,
-                 "block_bytes": 16}
+                 "block_bytes": 16, "cached_blocks": 0, "prefix_hits": 0,
+                 "prefix_misses": 0, "hit_tokens": 0, "evictions": 0}
     del b
 
 

@@ -48,6 +48,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.pool = KvBlockPool(BS, TOTAL, H, D, v_head_dim=VD)
         self.free = TOTAL
         self.live = []          # (cache, model)
+        self.closed = []        # caches after close()
         self.counter = 0
         self.slots = []
 
@@ -186,14 +187,16 @@ class CacheMachine(RuleBasedStateMachine):
             m.pooled = False
             m.blocks = 0
 
-    @rule(cm=caches)
+    @rule(cm=consumes(caches))
     def close(self, cm):
+        """close() is final: the cache leaves the bundle and every later
+        operation on it raises ValueError (checked by the invariant)."""
         c, m = cm
         c.close()
         if m.pooled:
             self.free += m.blocks
-        m.pooled, m.blocks = False, 0
-        m.k, m.v = [], []
+        self.live = [(x, y) for x, y in self.live if x is not c]
+        self.closed.append(c)
 
     @rule(target=caches, cm=caches)
     def copy(self, cm):
@@ -228,9 +231,22 @@ class CacheMachine(RuleBasedStateMachine):
                 assert c.allocated_bytes() == m.blocks * self.pool.block_bytes
         tables = [x for c, m in self.live if m.pooled for x in c.block_table.tolist()]
         assert len(tables) == len(set(tables))        # no block held twice
+        for c in self.closed:
+            assert c.closed and c.seq_len == 0 and not c.is_pooled and c.blocks_held == 0
+            assert c.k.shape == (0, H, D) and c.block_table.size == 0
+            for op in (lambda: c.push([0.0] * KW, [0.0] * VW), lambda: c.truncate(0),
+                       c.copy, c.release_to_pool, c.allocated_bytes):
+                try:
+                    op()
+                except ValueError as e:
+                    assert str(e) == "KvCache is closed"
+                else:
+                    raise AssertionError("an operation on a closed cache did not raise")
+            c.close()                                    # close() itself stays allowed
 
     def teardown(self):
         self.live.clear()
+        self.closed.clear()
         for slot in self.slots:
             slot.c = None
         gc.collect()

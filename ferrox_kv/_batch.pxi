@@ -1,0 +1,318 @@
+# Calls over several caches at once: claiming them, the one write path that
+# every append goes through, push_layers and the batch helper of
+# ferrox_kv.hf.
+#
+# Hostile callers: a call first takes a private tuple of the caches it was
+# given (another thread may mutate the caller's list), converts every array
+# (which can run user code through __array__), and only then claims the
+# caches and validates. The tuple keeps every cache alive while the GIL is
+# released, and the claims keep any other call off them.
+
+cdef Cache** _claim_all(tuple cl, str what) except NULL:
+    """Claim every cache of ``cl`` for one call. ``TypeError`` for an item
+    that is not a KvCache, ``ValueError`` for a cache named twice, closed or
+    never initialised, ``RuntimeError`` when another thread is in a call on
+    one. Returns their C structs; give them back with ``_release_all``."""
+    cdef Py_ssize_t n = len(cl), i = 0, j
+    cdef Cache** cs
+    cdef KvCache x
+    for j in range(n):
+        if not isinstance(cl[j], KvCache):
+            raise TypeError(f"{what}[{j}] is {type(cl[j]).__name__}, not KvCache")
+    cs = <Cache**>malloc(<size_t>(n if n > 0 else 1) * sizeof(Cache*))
+    if cs == NULL:
+        raise MemoryError()
+    try:
+        while i < n:
+            x = <KvCache>cl[i]
+            if not fx_try_claim(&x.c.busy):
+                for j in range(i):
+                    if cs[j] == &x.c:
+                        raise ValueError(f"{what}[{i}] appears more than once in {what}")
+                raise RuntimeError(_BUSY)
+            cs[i] = &x.c
+            i += 1
+            if x.c.state != STATE_OPEN:
+                raise ValueError(
+                    f"{what}[{i - 1}]: {_CLOSED if x.c.state == STATE_CLOSED else _NEW}")
+    except BaseException:
+        for j in range(i):
+            fx_unclaim(&cs[j].busy)
+        free(cs)
+        raise
+    return cs
+
+
+cdef void _release_all(Cache** cs, Py_ssize_t n) noexcept:
+    cdef Py_ssize_t i
+    for i in range(n):
+        fx_unclaim(&cs[i].busy)
+    free(cs)
+
+
+cdef int _check_same_geometry(tuple cl, str what) except -1:
+    cdef KvCache c0 = <KvCache>cl[0], ci
+    cdef Py_ssize_t i
+    for i in range(1, len(cl)):
+        ci = <KvCache>cl[i]
+        if ci.c.kw != c0.c.kw or ci.c.vw != c0.c.vw or ci.head_dim != c0.head_dim:
+            raise ValueError(f"{what}[{i}] has another geometry than {what}[0]")
+    return 0
+
+
+# -- the write path ---------------------------------------------------------------
+
+cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
+                      const float* kp, const float* vp) except -1:
+    """Append ``t`` rows to each of ``n`` claimed, open caches of one geometry
+    (``owners[i]`` is the KvCache of ``cs[i]``): rows ``i*t .. i*t+t-1`` of
+    ``kp``/``vp`` go to cache i; NULL sources append zeros. All or nothing:
+    every buffer and block any cache needs is obtained before a row is
+    written. The copies run in one loop, without the GIL when they pay."""
+    cdef Py_ssize_t i, kw = cs[0].kw, vw = cs[0].vw
+    cdef size_t kbytes = <size_t>(n * t * kw) * sizeof(float)
+    cdef size_t vbytes = <size_t>(n * t * vw) * sizeof(float)
+    cdef float* own = NULL
+    if t == 0:
+        return 0
+    try:
+        if kp != NULL:
+            for i in range(n):
+                if _aliases(cs[i], kp, kbytes) or _aliases(cs[i], vp, vbytes):
+                    # the source is (or may be) the caches' own memory: copy it first
+                    own = <float*>malloc(kbytes + vbytes)
+                    if own == NULL:
+                        raise MemoryError()
+                    memcpy(own, kp, kbytes)
+                    memcpy(own + n * t * kw, vp, vbytes)
+                    kp = own
+                    vp = own + n * t * kw
+                    break
+        for i in range(n):
+            if cs[i].len + t > cs[i].cap or not _private_at(cs[i], cs[i].len):
+                _make_room_each(owners, cs, n, t)
+                break
+        if _release_pays(<Py_ssize_t>(kbytes + vbytes)):
+            with nogil:
+                for i in range(n):
+                    cache_write(cs[i], cs[i].len, t, kp + i * t * kw if kp else NULL,
+                                vp + i * t * vw if vp else NULL)
+        else:
+            for i in range(n):
+                cache_write(cs[i], cs[i].len, t, kp + i * t * kw if kp else NULL,
+                            vp + i * t * vw if vp else NULL)
+        for i in range(n):
+            cs[i].len += t
+    finally:
+        free(own)
+    return 0
+
+
+cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) except -1:
+    """Make room for ``t`` more rows in each cache, and give each cache blocks
+    of its own wherever its write range lies in blocks it shares (copy-on-
+    write), all or nothing: new contiguous buffers are allocated and every
+    pool's blocks taken in one acquisition (all pools or none) before
+    anything changes. Contiguous caches grow to max(2 * cap, needed, 4)."""
+    cdef Py_ssize_t i, j, bs, lo, hi, need, n_cow = 0, n_pools = 0, n_fresh = 0, at
+    cdef Py_ssize_t* grow = NULL       # per cache: blocks appended
+    cdef Py_ssize_t* cows = NULL       # per cache: table indices to copy-on-write
+    cdef int32_t* cow_at = NULL        # those indices, cache after cache
+    cdef int32_t* fresh = NULL
+    cdef int32_t* old = NULL
+    cdef Py_ssize_t* pool_of = NULL    # per cache: index into reqs
+    cdef BlockReq* reqs = NULL
+    cdef BlockReq tmp
+    cdef Py_ssize_t failed = 0
+    cdef Cache* c
+    cdef Pool* p
+    cdef int32_t b
+    cdef list rows = [None] * n
+    try:
+        grow = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        cows = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        pool_of = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        reqs = <BlockReq*>calloc(<size_t>n, sizeof(BlockReq))
+        if grow == NULL or cows == NULL or pool_of == NULL or reqs == NULL:
+            raise MemoryError()
+        for i in range(n):             # bound the copy-on-write list
+            c = cs[i]
+            if not _private_at(c, c.len):
+                n_cow += c.shared_upto - c.len // c.pool.block_size
+        cow_at = <int32_t*>malloc(<size_t>(n_cow if n_cow > 0 else 1) * sizeof(int32_t))
+        if cow_at == NULL:
+            raise MemoryError()
+        n_cow = 0
+        # 1. plan each cache; contiguous buffers and block tables are allocated
+        #    here (MemoryError leaves every cache as it was)
+        for i in range(n):
+            c = cs[i]
+            need = c.len + t
+            p = c.pool
+            if p == NULL:
+                if need > c.cap:
+                    rows[i] = _rows_new(max(2 * c.cap, need, 4), c.kw, c.vw)
+                continue
+            bs = p.block_size
+            if need > c.cap:
+                grow[i] = _blocks_for(need - c.cap, bs)
+                if grow[i] > p.total:
+                    raise KvPoolExhausted(grow[i], pool_refuse(p))
+                _reserve_table(c, grow[i])
+            if not _private_at(c, c.len):
+                lo = c.len // bs
+                hi = min(c.shared_upto, _blocks_for(need, bs), c.n_blocks)
+                for j in range(lo, hi):
+                    b = c.table[j]
+                    if fx_load(&p.refs[b]) > 1 or (
+                            p.prefix != NULL and fx_load(&p.prefix.blk_entry[b]) != 0):
+                        cow_at[n_cow] = <int32_t>j
+                        n_cow += 1
+                        cows[i] += 1
+            # this cache's pool in the request list (kept in address order)
+            for j in range(n_pools):
+                if reqs[j].pool == p:
+                    break
+            else:
+                j = n_pools
+                while j > 0 and <size_t>reqs[j - 1].pool > <size_t>p:
+                    reqs[j] = reqs[j - 1]
+                    for at in range(i):
+                        if pool_of[at] == j - 1:
+                            pool_of[at] = j
+                    j -= 1
+                memset(&reqs[j], 0, sizeof(BlockReq))
+                reqs[j].pool = p
+                reqs[j].owner = OWNER_CACHE
+                n_pools += 1
+            pool_of[i] = j
+            reqs[j].n_fresh += grow[i] + cows[i]
+            n_fresh += grow[i] + cows[i]
+        # 2. every pool's blocks at once
+        if n_pools:
+            fresh = <int32_t*>malloc(<size_t>(n_fresh if n_fresh > 0 else 1) * sizeof(int32_t))
+            old = <int32_t*>malloc(<size_t>(n_cow if n_cow > 0 else 1) * sizeof(int32_t))
+            if fresh == NULL or old == NULL:
+                raise MemoryError()
+            at = 0
+            for j in range(n_pools):
+                reqs[j].fresh = fresh + at
+                at += reqs[j].n_fresh
+            with nogil:
+                at = pools_update(reqs, n_pools, &failed)
+            if at != 0:
+                raise KvPoolExhausted(reqs[failed].needed, reqs[failed].free_seen)
+        # 3. nothing below can fail
+        for j in range(n_pools):
+            reqs[j].n_fresh = 0        # cursor into reqs[j].fresh
+        n_cow = 0
+        at = 0                         # cursor into old
+        for i in range(n):
+            c = cs[i]
+            if c.pool == NULL:
+                if rows[i] is not None:
+                    if c.len:
+                        _gather_rows(c, c.len, (<_Rows>rows[i]).k, (<_Rows>rows[i]).v)
+                    (<KvCache>owners[i])._set_rows(<_Rows>rows[i])
+                continue
+            p = c.pool
+            bs = p.block_size
+            for j in range(cows[i]):
+                lo = cow_at[n_cow]
+                n_cow += 1
+                b = reqs[pool_of[i]].fresh[reqs[pool_of[i]].n_fresh]
+                reqs[pool_of[i]].n_fresh += 1
+                if lo * bs < c.len:    # the rows kept before the write position
+                    memcpy(p.k_arena + <size_t>b * p.k_block_floats,
+                           p.k_arena + <size_t>c.table[lo] * p.k_block_floats,
+                           <size_t>(c.len - lo * bs) * <size_t>c.kw * sizeof(float))
+                    memcpy(p.v_arena + <size_t>b * p.v_block_floats,
+                           p.v_arena + <size_t>c.table[lo] * p.v_block_floats,
+                           <size_t>(c.len - lo * bs) * <size_t>c.vw * sizeof(float))
+                old[at] = c.table[lo]
+                at += 1
+                c.table[lo] = b
+            if not _private_at(c, c.len) and min(_blocks_for(c.len + t, bs),
+                                                 c.n_blocks) >= c.shared_upto:
+                c.shared_upto = c.len // bs      # the write range is all its own now
+            for j in range(grow[i]):
+                c.table[c.n_blocks] = reqs[pool_of[i]].fresh[reqs[pool_of[i]].n_fresh]
+                reqs[pool_of[i]].n_fresh += 1
+                c.n_blocks += 1
+            c.cap += grow[i] * bs
+        # 4. let go of the shared blocks that were copied
+        at = 0
+        for i in range(n):
+            if cows[i]:
+                pool_drop(cs[i].pool, old + at, cows[i])
+                at += cows[i]
+    finally:
+        free(grow)
+        free(cows)
+        free(cow_at)
+        free(fresh)
+        free(old)
+        free(pool_of)
+        free(reqs)
+    return 0
+
+
+cdef int _append_rows(tuple cl, cnp.ndarray ka, cnp.ndarray va, bint per_t) except -1:
+    """push_layers (``per_t`` false: one row per cache, inputs (n, ...)) and
+    _extend_each (``per_t`` true: T rows per cache, inputs (n, T, ...))."""
+    cdef Py_ssize_t n = len(cl), t = 1
+    cdef Cache** cs
+    cdef KvCache c0
+    if n == 0:
+        raise ValueError("caches is empty")
+    cs = _claim_all(cl, "caches")
+    try:
+        _check_same_geometry(cl, "caches")
+        c0 = <KvCache>cl[0]
+        lead_s = "B, T, " if per_t else "layers, "
+        _check_rows(ka, 1 + per_t, c0.n_kv_heads, c0.head_dim, "k_steps", lead_s)
+        _check_rows(va, 1 + per_t, c0.n_kv_heads, c0.v_head_dim, "v_steps", lead_s)
+        if ka.shape[0] != n:
+            raise ValueError(f"k_steps has {ka.shape[0]} rows for {n} caches")
+        if va.shape[0] != n:
+            raise ValueError(f"v_steps has {va.shape[0]} rows for {n} caches")
+        if per_t:
+            t = ka.shape[1]
+            if va.shape[1] != t:
+                raise ValueError(f"k_steps has {t} positions but v_steps has {va.shape[1]}")
+        _append_each(cl, cs, n, t, <const float*>cnp.PyArray_DATA(ka),
+                     <const float*>cnp.PyArray_DATA(va))
+    finally:
+        _release_all(cs, n)
+    return 0
+
+
+def push_layers(caches, k_steps, v_steps):
+    """Append one position to each of ``caches`` (one per layer) in one call.
+
+    ``k_steps`` is shaped ``(layers, n_kv_heads, head_dim)`` or
+    ``(layers, n_kv_heads * head_dim)``, row ``i`` going to ``caches[i]``;
+    ``v_steps`` likewise with ``v_head_dim``. Every cache must have the same
+    geometry. All or nothing: the blocks every pooled cache needs are taken
+    (from every pool involved at once) before any row is copied; if a pool
+    cannot supply them, ``KvPoolExhausted`` reports that pool's shortfall and
+    nothing changes. The copies of all layers run in one C loop, with the
+    GIL released once when the bytes of all layers together pay for it: this
+    is the decode step's coarse call, the one that lets request threads run
+    in parallel.
+    """
+    cdef tuple cl = tuple(caches)          # a private sequence, before any user code
+    cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
+    cdef cnp.ndarray va = _f32(v_steps, "v_steps")
+    _append_rows(cl, ka, va, False)
+
+
+def _extend_each(caches, k_steps, v_steps):
+    """Append T positions to each of ``caches`` (a batch of sequences of one
+    layer): ``k_steps`` shaped ``(B, T, n_kv_heads, head_dim)`` or
+    ``(B, T, n_kv_heads * head_dim)``. All or nothing across the batch, as
+    ``push_layers``. For ``ferrox_kv.hf``."""
+    cdef tuple cl = tuple(caches)
+    cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
+    cdef cnp.ndarray va = _f32(v_steps, "v_steps")
+    _append_rows(cl, ka, va, True)

@@ -1,0 +1,670 @@
+# Row storage, the row copies, and KvCache.
+
+@cython.final
+@cython.no_gc
+cdef class _Rows:
+    """One malloc'd buffer: ``cap`` K rows followed by ``cap`` V rows. Views of
+    a contiguous cache keep exactly the buffer they show alive."""
+
+    def __cinit__(self):
+        self.k = NULL
+        self.v = NULL
+        self.cap = 0
+
+    def __dealloc__(self):
+        free(self.k)
+        self.k = NULL
+        self.v = NULL
+
+
+cdef _Rows _rows_new(Py_ssize_t cap, Py_ssize_t kw, Py_ssize_t vw):
+    cdef size_t nbytes = _checked_bytes("capacity * row width", cap, kw + vw, 1)
+    cdef _Rows r = _Rows.__new__(_Rows)
+    r.k = <float*>malloc(nbytes)
+    if r.k == NULL:
+        raise MemoryError(f"cannot allocate {nbytes} bytes for {cap} KV rows")
+    fx_advise_huge(r.k, nbytes)
+    r.v = r.k + <size_t>cap * <size_t>kw
+    r.cap = cap
+    return r
+
+
+# -- where rows live ------------------------------------------------------------
+
+cdef inline float* _k_row(Cache* c, Py_ssize_t r) noexcept nogil:
+    cdef Pool* p = c.pool
+    if p == NULL:
+        return c.k + <size_t>r * <size_t>c.kw
+    return (p.k_arena + <size_t>c.table[r // p.block_size] * p.k_block_floats
+            + <size_t>(r % p.block_size) * <size_t>c.kw)
+
+
+cdef inline float* _v_row(Cache* c, Py_ssize_t r) noexcept nogil:
+    cdef Pool* p = c.pool
+    if p == NULL:
+        return c.v + <size_t>r * <size_t>c.vw
+    return (p.v_arena + <size_t>c.table[r // p.block_size] * p.v_block_floats
+            + <size_t>(r % p.block_size) * <size_t>c.vw)
+
+
+cdef inline Py_ssize_t _run(Cache* c, Py_ssize_t r, Py_ssize_t end) noexcept nogil:
+    """How many rows from ``r`` (before ``end``) are contiguous in memory."""
+    cdef Py_ssize_t n
+    if c.pool == NULL:
+        return end - r
+    n = c.pool.block_size - r % c.pool.block_size
+    return n if n < end - r else end - r
+
+
+cdef inline bint _private_at(Cache* c, Py_ssize_t r) noexcept nogil:
+    """Whether row ``r`` lies in a block only this cache holds (always for a
+    contiguous cache): a write there needs no copy-on-write."""
+    return c.shared_upto == 0 or r >= c.shared_upto * c.pool.block_size
+
+
+cdef inline bint _aliases(Cache* c, const void* src, size_t nbytes) noexcept nogil:
+    """Whether ``src`` overlaps memory that a write into ``c`` may touch: its
+    buffer, or its pool's arenas (a source there is copied first)."""
+    cdef Pool* p = c.pool
+    if p == NULL:
+        return fx_overlap(src, nbytes, c.k, <size_t>c.cap * <size_t>(c.kw + c.vw) * sizeof(float))
+    return (fx_overlap(src, nbytes, p.k_arena, <size_t>p.total * p.k_block_floats * sizeof(float))
+            or fx_overlap(src, nbytes, p.v_arena,
+                          <size_t>p.total * p.v_block_floats * sizeof(float)))
+
+
+cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                      const float* k, const float* v) noexcept nogil:
+    """Copy ``n`` K and V rows (row-major) into positions start..start+n;
+    NULL sources write zeros. Sources never overlap the destination (callers
+    copy aliasing sources first)."""
+    cdef Py_ssize_t r = start, end = start + n, m
+    cdef size_t kb, vb
+    while r < end:
+        m = _run(c, r, end)
+        kb = <size_t>m * <size_t>c.kw * sizeof(float)
+        vb = <size_t>m * <size_t>c.vw * sizeof(float)
+        if k != NULL:
+            memcpy(_k_row(c, r), k, kb)
+            memcpy(_v_row(c, r), v, vb)
+            k += <size_t>m * <size_t>c.kw
+            v += <size_t>m * <size_t>c.vw
+        else:
+            memset(_k_row(c, r), 0, kb)
+            memset(_v_row(c, r), 0, vb)
+        r += m
+
+
+cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                       float* k_out, float* v_out) noexcept nogil:
+    """Copy positions start..start+n into contiguous K and V outputs.
+
+    Either output may be NULL to skip it."""
+    cdef Py_ssize_t r = start, end = start + n, m
+    while r < end:
+        m = _run(c, r, end)
+        if k_out != NULL:
+            memcpy(k_out, _k_row(c, r), <size_t>m * <size_t>c.kw * sizeof(float))
+            k_out += <size_t>m * <size_t>c.kw
+        if v_out != NULL:
+            memcpy(v_out, _v_row(c, r), <size_t>m * <size_t>c.vw * sizeof(float))
+            v_out += <size_t>m * <size_t>c.vw
+        r += m
+
+
+cdef void _gather_rows(Cache* c, Py_ssize_t n, float* k_out, float* v_out) noexcept:
+    """The first n rows into contiguous outputs (either may be NULL), without
+    the GIL when the bytes pay for it."""
+    cdef Py_ssize_t width = (c.kw if k_out != NULL else 0) + (c.vw if v_out != NULL else 0)
+    if _release_pays(n * width * <Py_ssize_t>sizeof(float)):
+        with nogil:
+            cache_gather(c, 0, n, k_out, v_out)
+    else:
+        cache_gather(c, 0, n, k_out, v_out)
+
+
+cdef void cache_detach(Cache* c) noexcept nogil:
+    """Give every block back and drop the pool reference (pooled caches)."""
+    if c.pool != NULL:
+        pool_drop(c.pool, c.table, c.n_blocks)
+        pool_decref(c.pool)
+        c.pool = NULL
+    free(c.table)
+    c.table = NULL
+    c.n_blocks = 0
+    c.table_cap = 0
+    c.shared_upto = 0
+
+
+cdef int _reserve_table(Cache* c, Py_ssize_t n) except -1:
+    """Make room in the block table for ``n`` more ids (MemoryError if not)."""
+    cdef Py_ssize_t want = c.n_blocks + n, new_cap
+    cdef int32_t* t
+    if want <= c.table_cap:
+        return 0
+    new_cap = c.table_cap * 2
+    if new_cap < want:
+        new_cap = want
+    t = <int32_t*>realloc(c.table, <size_t>new_cap * sizeof(int32_t))
+    if t == NULL:
+        raise MemoryError("cannot grow the block table")
+    c.table = t
+    c.table_cap = new_cap
+    return 0
+
+
+cdef inline Py_ssize_t _blocks_for(Py_ssize_t rows, Py_ssize_t bs) noexcept nogil:
+    return (rows + bs - 1) // bs
+
+
+# -- claiming a cache for one call ----------------------------------------------
+
+cdef str _BUSY = ("KvCache is in use by another thread; a cache must not be "
+                  "used from two threads at once (guard it with a lock)")
+cdef str _NEW = ("KvCache was never initialised: its __init__ did not run (a "
+                 "subclass's __init__ must call super().__init__(n_kv_heads, "
+                 "head_dim, ...)); use KvCache(...), with_capacity or with_pool")
+cdef str _CLOSED = "KvCache is closed"
+
+
+cdef inline int _enter(KvCache self) except -1:
+    """Claim an open cache for this call: ``RuntimeError`` while another
+    thread is in a call on it, ``ValueError`` when it is closed or was never
+    initialised. Pair with ``_leave`` in a ``finally``."""
+    if not fx_try_claim(&self.c.busy):
+        raise RuntimeError(_BUSY)
+    if self.c.state != STATE_OPEN:
+        fx_unclaim(&self.c.busy)
+        raise ValueError(_CLOSED if self.c.state == STATE_CLOSED else _NEW)
+    return 0
+
+
+cdef inline void _leave(KvCache self) noexcept:
+    fx_unclaim(&self.c.busy)
+
+
+cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
+    if (c.n_kv_heads, c.head_dim, c.v_head_dim) != (
+            pool.n_kv_heads, pool.head_dim, pool.v_head_dim):
+        raise ValueError(
+            f"cache geometry (n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim}, "
+            f"v_head_dim={c.v_head_dim}) does not match the pool's "
+            f"(n_kv_heads={pool.n_kv_heads}, head_dim={pool.head_dim}, "
+            f"v_head_dim={pool.v_head_dim})")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# KvCache
+# ---------------------------------------------------------------------------
+
+@cython.no_gc_clear
+cdef class KvCache:
+    """K and V rows of one sequence in one layer.
+
+    ``KvCache(n_kv_heads, head_dim, *, v_head_dim=None)`` starts empty and
+    grows geometrically; ``KvCache.with_capacity`` pre-allocates a plan;
+    ``KvCache.with_pool`` draws fixed-size blocks from a shared
+    ``KvBlockPool``, reserving its worst case up front.
+
+    A cache is not meant to be used from two threads at once: a method call
+    that finds another call on the same cache in progress raises
+    ``RuntimeError`` (never corrupts memory). Different caches may be used by
+    different threads in parallel, on one pool. After ``close()`` every
+    operation but ``close()`` raises ``ValueError("KvCache is closed")``.
+    """
+
+    def __cinit__(self):
+        memset(&self.c, 0, sizeof(Cache))
+        self.c.plan = -1
+        self.c.state = STATE_NEW
+        self.rows = None
+
+    def __init__(self, n_kv_heads, head_dim, *, v_head_dim=None):
+        if not fx_try_claim(&self.c.busy):
+            raise RuntimeError(_BUSY)
+        try:
+            if self.c.state != STATE_NEW:
+                raise RuntimeError("KvCache.__init__ called on a cache that is already set up")
+            self._set_geometry(n_kv_heads, head_dim, v_head_dim)
+        finally:
+            _leave(self)
+
+    def __dealloc__(self):
+        # Only C state: give the blocks back (exactly once) and drop the pool.
+        cache_detach(&self.c)
+
+    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim) except -1:
+        cdef Py_ssize_t h = _count(n_kv_heads, "n_kv_heads", 1)
+        cdef Py_ssize_t d = _count(head_dim, "head_dim", 1)
+        cdef Py_ssize_t vd = d if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
+        _checked_bytes("n_kv_heads * head_dim", h, d, 1)
+        _checked_bytes("n_kv_heads * v_head_dim", h, vd, 1)
+        self.n_kv_heads = h
+        self.head_dim = d
+        self.v_head_dim = vd
+        self.c.kw = h * d
+        self.c.vw = h * vd
+        self.c.state = STATE_OPEN
+        return 0
+
+    cdef void _copy_geometry(self, KvCache other) noexcept:
+        self.n_kv_heads = other.n_kv_heads
+        self.head_dim = other.head_dim
+        self.v_head_dim = other.v_head_dim
+        self.c.kw = other.c.kw
+        self.c.vw = other.c.vw
+        self.c.state = STATE_OPEN
+
+    # -- constructors -------------------------------------------------------
+
+    @staticmethod
+    def with_capacity(n_kv_heads, head_dim, max_seq_len, *, v_head_dim=None):
+        """A cache with ``max_seq_len`` rows pre-allocated: pushes within the
+        plan never reallocate. Pushing past the plan still works (it grows)."""
+        cdef KvCache self = KvCache.__new__(KvCache)
+        self._set_geometry(n_kv_heads, head_dim, v_head_dim)
+        cdef Py_ssize_t plan = _count(max_seq_len, "max_seq_len", 0)
+        self._set_rows(_rows_new(plan, self.c.kw, self.c.vw))
+        self.c.plan = plan
+        return self
+
+    @staticmethod
+    def with_pool(n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
+                  *, v_head_dim=None):
+        """A cache whose rows live in ``pool``'s blocks.
+
+        Takes ``max(1, ceil(max_seq_len / block_size))`` blocks up front, all or
+        nothing; raises ``KvPoolExhausted`` leaving the pool untouched when it
+        cannot. Geometry must match the pool's (``ValueError`` otherwise).
+        Pushing past the reservation takes one more block per ``block_size``
+        positions (and can then raise ``KvPoolExhausted``).
+        """
+        return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len)[0]
+
+    @staticmethod
+    def with_pool_many(count, n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
+                       *, v_head_dim=None):
+        """``count`` pooled caches (e.g. every layer of a sequence, or every
+        layer of every sequence of a batch), reserved at once.
+
+        One acquisition of ``count * max(1, ceil(max_seq_len / block_size))``
+        blocks: all the caches or none. When the pool cannot cover them all,
+        ``KvPoolExhausted`` and the pool is untouched (one refusal counted).
+        """
+        cdef Py_ssize_t n = _count(count, "count", 0)
+        return _new_pooled(n, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len)
+
+    # -- read-only state (answers in every state) ---------------------------
+
+    @property
+    def seq_len(self):
+        """Positions stored."""
+        return self.c.len
+
+    def __len__(self):
+        return self.c.len
+
+    @property
+    def closed(self):
+        """True after ``close()``."""
+        return self.c.state == STATE_CLOSED
+
+    @property
+    def is_pooled(self):
+        """True while the cache's rows live in pool blocks."""
+        return self.c.pool != NULL
+
+    @property
+    def blocks_held(self):
+        """Pool blocks this cache holds (0 when not pooled)."""
+        return self.c.n_blocks
+
+    @property
+    def capacity(self):
+        """Positions that fit without growing (or taking another block)."""
+        return self.c.cap
+
+    @property
+    def block_table(self):
+        """The ids of the blocks held, in position order (int32 copy)."""
+        if not fx_try_claim(&self.c.busy):
+            raise RuntimeError(_BUSY)
+        try:
+            out = np.empty(self.c.n_blocks, dtype=np.int32)
+            if self.c.n_blocks:
+                memcpy(cnp.PyArray_DATA(out), self.c.table, self.c.n_blocks * sizeof(int32_t))
+            return out
+        finally:
+            _leave(self)
+
+    cdef object _rows_view(self, bint want_v):
+        """(seq_len, n_kv_heads, dim) array of K or V: a read-only view of the
+        contiguous buffer, or a gathered copy when pooled. Cache claimed."""
+        cdef cnp.npy_intp dims[3]
+        cdef Py_ssize_t n = self.c.len
+        cdef float* data
+        cdef cnp.ndarray arr
+        if self.c.state == STATE_NEW:
+            raise ValueError(_NEW)
+        dims[0] = n
+        dims[1] = self.n_kv_heads
+        dims[2] = self.v_head_dim if want_v else self.head_dim
+        if self.c.pool != NULL:
+            arr = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
+            data = <float*>cnp.PyArray_DATA(arr)
+            _gather_rows(&self.c, n, NULL if want_v else data, data if want_v else NULL)
+            return arr
+        if self.rows is None:
+            arr = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
+            cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+            return arr
+        arr = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_FLOAT32,
+                                            self.rows.v if want_v else self.rows.k)
+        cnp.set_array_base(arr, self.rows)     # the view keeps its buffer alive
+        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+        return arr
+
+    cdef object _claimed_view(self, bint want_v):
+        if not fx_try_claim(&self.c.busy):
+            raise RuntimeError(_BUSY)
+        try:
+            return self._rows_view(want_v)
+        finally:
+            _leave(self)
+
+    def _views(self):
+        """(k, v) for integrations that wrap them (e.g. as torch tensors):
+        zero-copy *writable* views of a contiguous cache, gathered copies of a
+        pooled one. Not public: writing through them bypasses the cache."""
+        _enter(self)
+        try:
+            k = self._rows_view(False)
+            v = self._rows_view(True)
+        finally:
+            _leave(self)
+        if self.c.pool == NULL:
+            cnp.PyArray_ENABLEFLAGS(<cnp.ndarray>k, cnp.NPY_ARRAY_WRITEABLE)
+            cnp.PyArray_ENABLEFLAGS(<cnp.ndarray>v, cnp.NPY_ARRAY_WRITEABLE)
+        return k, v
+
+    @property
+    def k(self):
+        """K rows, shape ``(seq_len, n_kv_heads, head_dim)``, float32.
+
+        Contiguous caches: a read-only zero-copy view that keeps its buffer
+        alive; if the cache later grows into a new buffer the view goes on
+        showing the old one, and rows rewritten in place after a ``truncate``
+        show through. Pooled caches: a fresh contiguous copy gathered from the
+        blocks (GIL released for large gathers); attention should read the
+        blocks in place with ``attend`` instead. Closed caches: empty.
+        """
+        return self._claimed_view(False)
+
+    @property
+    def v(self):
+        """V rows, shape ``(seq_len, n_kv_heads, v_head_dim)``; as for ``k``."""
+        return self._claimed_view(True)
+
+    cdef void _set_rows(self, _Rows r) noexcept:
+        self.rows = r
+        self.c.k = r.k
+        self.c.v = r.v
+        self.c.cap = r.cap
+
+    # -- appending ----------------------------------------------------------
+
+    def push(self, k_step, v_step):
+        """Append one position.
+
+        ``k_step`` holds ``n_kv_heads * head_dim`` numbers, flat or shaped
+        ``(n_kv_heads, head_dim)``; ``v_step`` likewise with ``v_head_dim``.
+        C-contiguous native float32 ndarrays are copied straight in (no
+        conversion, no temporary); other array-likes are converted first.
+        Wrong size or shape: ``ValueError``; a full pooled cache takes one more
+        block, or raises ``KvPoolExhausted``. Either way nothing is appended.
+        """
+        cdef cnp.ndarray ka = _f32(k_step, "k_step")
+        cdef cnp.ndarray va = _f32(v_step, "v_step")
+        cdef Cache* c = &self.c
+        cdef const float* kp = <const float*>cnp.PyArray_DATA(ka)
+        cdef const float* vp = <const float*>cnp.PyArray_DATA(va)
+        cdef size_t kb, vb
+        _enter(self)
+        try:
+            _check_rows(ka, 0, self.n_kv_heads, self.head_dim, "k_step", "")
+            _check_rows(va, 0, self.n_kv_heads, self.v_head_dim, "v_step", "")
+            kb = <size_t>c.kw * sizeof(float)
+            vb = <size_t>c.vw * sizeof(float)
+            if (c.len < c.cap and _private_at(c, c.len)
+                    and not _release_pays(<Py_ssize_t>(kb + vb))
+                    and not _aliases(c, kp, kb) and not _aliases(c, vp, vb)):
+                memcpy(_k_row(c, c.len), kp, kb)       # the hot path: two memcpys
+                memcpy(_v_row(c, c.len), vp, vb)
+                c.len += 1
+            else:
+                _append_each((self,), &c, 1, 1, kp, vp)
+        finally:
+            _leave(self)
+
+    def extend(self, k_steps, v_steps):
+        """Append T positions at once (prefill, a batch of drafts).
+
+        Shapes ``(T, n_kv_heads, head_dim)`` or ``(T, n_kv_heads * head_dim)``
+        (and ``v_head_dim`` for V). All or nothing: every block needed is
+        taken before anything is copied; the copy runs without the GIL when
+        large. Mismatched T, wrong shape: ``ValueError``; too few free blocks:
+        ``KvPoolExhausted``. Nothing is appended when it raises.
+        """
+        cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
+        cdef cnp.ndarray va = _f32(v_steps, "v_steps")
+        cdef Cache* c = &self.c
+        cdef Py_ssize_t t, tv
+        _enter(self)
+        try:
+            t = _check_rows(ka, 1, self.n_kv_heads, self.head_dim, "k_steps", "T, ")
+            tv = _check_rows(va, 1, self.n_kv_heads, self.v_head_dim, "v_steps", "T, ")
+            if t != tv:
+                raise ValueError(f"k_steps has {t} positions but v_steps has {tv}")
+            _append_each((self,), &c, 1, t, <const float*>cnp.PyArray_DATA(ka),
+                         <const float*>cnp.PyArray_DATA(va))
+        finally:
+            _leave(self)
+
+    def advance_len(self, n):
+        """Append ``n`` zero rows (K and V), all or nothing."""
+        cdef Py_ssize_t count = _count(n, "n", 0)
+        cdef Cache* c = &self.c
+        _enter(self)
+        try:
+            _append_each((self,), &c, 1, count, NULL, NULL)
+        finally:
+            _leave(self)
+
+    # -- shrinking and detaching --------------------------------------------
+
+    def truncate(self, new_seq_len):
+        """Roll back to exactly ``new_seq_len`` positions (speculative decoding
+        rejects drafts this way). Capacity and pool blocks are kept, so growing
+        back costs no blocks. Beyond ``seq_len`` or negative: ``ValueError``."""
+        n = _index(new_seq_len, "new_seq_len")
+        _enter(self)
+        try:
+            if n < 0:
+                raise ValueError(f"truncate target {n} must be >= 0")
+            if n > self.c.len:
+                raise ValueError(
+                    f"truncate target {n} must not exceed current seq_len {self.c.len}")
+            self.c.len = n
+        finally:
+            _leave(self)
+
+    def clear(self):
+        """``truncate(0)``: keeps capacity, blocks and plan."""
+        self.truncate(0)
+
+    def release_to_pool(self):
+        """Give every block back to the pool now and detach from it.
+
+        The rows are kept: they are copied (GIL released when large) into a
+        private buffer of the same capacity, and from then on the cache is an
+        ordinary growable cache. No-op for unpooled caches; idempotent.
+        """
+        cdef _Rows r
+        _enter(self)
+        try:
+            if self.c.pool == NULL:
+                return
+            r = _rows_new(self.c.cap, self.c.kw, self.c.vw)
+            _gather_rows(&self.c, self.c.len, r.k, r.v)
+            cache_detach(&self.c)
+            self._set_rows(r)
+        finally:
+            _leave(self)
+
+    def close(self):
+        """Give every block back and free the rows. Final, as for a file:
+        afterwards every operation but ``close()`` raises
+        ``ValueError("KvCache is closed")``; ``seq_len`` reads 0, ``k``/``v``
+        are empty and ``closed`` is true. Idempotent; ``with`` calls it on
+        exit. Views already taken of a contiguous cache stay valid."""
+        if not fx_try_claim(&self.c.busy):
+            raise RuntimeError(_BUSY)
+        try:
+            cache_detach(&self.c)
+            self.rows = None
+            self.c.k = NULL
+            self.c.v = NULL
+            self.c.cap = 0
+            self.c.len = 0
+            self.c.plan = -1
+            self.c.state = STATE_CLOSED
+        finally:
+            _leave(self)
+
+    def __enter__(self):
+        _enter(self)
+        _leave(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+    # -- accounting -----------------------------------------------------------
+
+    def allocated_bytes(self):
+        """Bytes resident for K and V: capacity, not length. Pooled caches:
+        ``blocks_held * pool.block_bytes``."""
+        _enter(self)
+        _leave(self)
+        return self.c.cap * (self.c.kw + self.c.vw) * <Py_ssize_t>sizeof(float)
+
+    def is_within_planned_capacity(self):
+        """True only for a ``with_capacity`` cache (or its copy) whose
+        ``seq_len`` is within its plan."""
+        _enter(self)
+        _leave(self)
+        return self.c.plan >= 0 and self.c.len <= self.c.plan
+
+    # -- copying --------------------------------------------------------------
+
+    def copy(self):
+        """An independent contiguous cache with the same rows and plan.
+
+        Detached from any pool: it holds no blocks and gives none back. Its
+        capacity equals its length (like a Rust ``Vec`` clone), so its next
+        push grows it. The copy runs without the GIL when large."""
+        cdef KvCache out = KvCache.__new__(KvCache)
+        cdef _Rows r
+        _enter(self)
+        try:
+            out._copy_geometry(self)
+            out.c.plan = self.c.plan
+            if self.c.len:
+                r = _rows_new(self.c.len, self.c.kw, self.c.vw)
+                _gather_rows(&self.c, self.c.len, r.k, r.v)
+                out._set_rows(r)
+            out.c.len = self.c.len
+        finally:
+            _leave(self)
+        return out
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    def __repr__(self):
+        if self.c.state != STATE_OPEN:
+            return (f"KvCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                    f"{'closed' if self.c.state == STATE_CLOSED else 'never initialised'})")
+        kind = "pooled" if self.c.pool != NULL else "contiguous"
+        return (f"KvCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"v_head_dim={self.v_head_dim}, seq_len={self.c.len}, {kind}, "
+                f"capacity={self.c.cap}, blocks_held={self.c.n_blocks})")
+
+
+cdef Py_ssize_t _check_rows(cnp.ndarray a, int lead, Py_ssize_t h, Py_ssize_t d,
+                            str name, str lead_s) except -1:
+    """Check that ``a`` is ``lead`` leading axes (named ``lead_s``, e.g.
+    "T, ") followed by (h, d) or (h*d,); returns the product of the leading
+    axes (1 when lead is 0)."""
+    cdef int nd = cnp.PyArray_NDIM(a), i
+    cdef cnp.npy_intp* shp = cnp.PyArray_DIMS(a)
+    cdef Py_ssize_t n = 1
+    if (nd == lead + 1 and shp[lead] == h * d) or (
+            nd == lead + 2 and shp[lead] == h and shp[lead + 1] == d):
+        for i in range(lead):
+            n *= shp[i]
+        return n
+    if lead == 0:
+        raise ValueError(f"{name} must have {h * d} values, flat or shaped ({h}, {d}); "
+                         f"got shape {_shape(a)}")
+    raise ValueError(f"{name} must be shaped ({lead_s}{h}, {d}) or ({lead_s}{h * d}); "
+                     f"got shape {_shape(a)}")
+
+
+cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
+                      KvBlockPool pool, max_seq_len):
+    """``count`` pooled caches of one geometry, each reserving
+    max(1, ceil(max_seq_len / block_size)) blocks, in one acquisition."""
+    cdef KvCache proto = KvCache.__new__(KvCache)
+    proto._set_geometry(n_kv_heads, head_dim, v_head_dim)
+    cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
+    _check_pool_geometry(proto, pool)
+    cdef Pool* p = pool.p
+    cdef Py_ssize_t per = _blocks_for(max_len, p.block_size), i
+    cdef list out = []
+    cdef KvCache c
+    cdef int32_t* ids
+    cdef BlockReq r
+    if per < 1:
+        per = 1
+    if count == 0:
+        return out
+    if per > p.total or count > p.total // per:  # before sizing memory by the request
+        raise KvPoolExhausted(per * count, pool_refuse(p))
+    for i in range(count):                 # tables first: only MemoryError can fail
+        c = KvCache.__new__(KvCache)
+        c._copy_geometry(proto)
+        _reserve_table(&c.c, per)
+        out.append(c)
+    ids = <int32_t*>malloc(<size_t>(per * count) * sizeof(int32_t))
+    if ids == NULL:
+        raise MemoryError()
+    with nogil:
+        i = pool_take(p, per * count, ids, OWNER_CACHE, &r)
+    if i != 0:
+        free(ids)
+        raise KvPoolExhausted(r.needed, r.free_seen)
+    for i in range(count):
+        c = <KvCache>out[i]
+        memcpy(c.c.table, ids + i * per, <size_t>per * sizeof(int32_t))
+        pool_incref(p)
+        c.c.pool = p
+        c.c.n_blocks = per
+        c.c.cap = per * p.block_size
+    free(ids)
+    return out

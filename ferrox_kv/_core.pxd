@@ -1,0 +1,185 @@
+# The C layer of ferrox_kv: structs and the functions that move block ids and
+# rows. Implemented in _core.pyx and its includes (_pool.pxi, _prefix.pxi,
+# _cache.pxi, _batch.pxi, _attend.pxi); C helpers live in _fx.h and _attn.h.
+
+cimport cython
+cimport numpy as cnp
+from libc.stdint cimport int32_t, uint64_t
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+
+
+cdef extern from "_fx.h" nogil:
+    pthread_mutex_t fx_registry_lock
+    int fx_constant_hash
+    bint fx_try_claim(int* flag)
+    void fx_unclaim(int* flag)
+    long fx_incref(long* p)
+    long fx_decref(long* p)
+    int32_t fx_load(const int32_t* p)
+    void fx_store(int32_t* p, int32_t v)
+    bint fx_mul(size_t a, size_t b, size_t* out)
+    void fx_advise_huge(void* p, size_t nbytes)
+    bint fx_overlap(const void* a, size_t an, const void* b, size_t bn)
+    uint64_t fx_block_key(uint64_t parent, const int32_t* tokens, Py_ssize_t n,
+                          uint64_t layers, uint64_t salt)
+
+
+# Who holds a block: caches share and give back only blocks caches took, and
+# KvBlockPool.free only what KvBlockPool.allocate handed out.
+cdef enum:
+    OWNER_FREE = 0
+    OWNER_CACHE = 1
+    OWNER_RAW = 2
+
+# Result codes of the block-moving functions (0 is success).
+cdef enum:
+    FX_EXHAUSTED = -1         # fewer free blocks than needed; nothing changed
+    FX_BAD_IDS = -2           # an id not held as the request says; nothing changed
+
+
+# The prefix cache's index (see _prefix.pxi). Entry e (ids 1..cap; 0 is
+# "none") stands for one block position of a published sequence, in every
+# layer at once: its blocks are linked through Prefix.blk_next from e_first.
+# Links hold id + 1 for block ids, so that 0 means "none" in calloc'd memory.
+ctypedef struct Prefix:
+    Py_ssize_t cap            # entries that can exist (= total blocks)
+    Py_ssize_t n_cached       # published blocks no one holds
+    int32_t* blk_entry        # per block: its entry, or 0
+    int32_t* blk_next         # per block: the next layer's block + 1, or 0
+    uint64_t* e_key
+    int32_t* e_parent         # 0 for a sequence's first block
+    int32_t* e_salt
+    int32_t* e_layers
+    int32_t* e_first          # first layer's block
+    int32_t* e_held           # blocks of the entry with holders
+    int32_t* e_hnext          # hash chain
+    int32_t* e_lru_prev       # LRU list of entries with a block no one holds
+    int32_t* e_lru_next
+    int32_t* e_child          # first child entry
+    int32_t* e_sib_prev       # siblings under one parent
+    int32_t* e_sib_next
+    int32_t* e_tokens         # cap * block_size token ids
+    int32_t* buckets
+    Py_ssize_t n_buckets      # a power of two
+    int32_t* e_free           # stack of unused entry ids
+    Py_ssize_t n_efree
+    Py_ssize_t next_entry     # ids >= next_entry were never used (starts at 1)
+    int32_t lru_head          # least recently used
+    int32_t lru_tail
+    uint64_t hits, misses, hit_tokens, evictions
+
+
+ctypedef struct Pool:
+    pthread_mutex_t lock      # held only while block ids move
+    long refcnt               # the KvBlockPool object + every cache holding blocks
+    Py_ssize_t block_size
+    Py_ssize_t total
+    Py_ssize_t kw             # K row width in floats (n_kv_heads * head_dim)
+    Py_ssize_t vw             # V row width in floats
+    size_t k_block_floats     # block_size * kw
+    size_t v_block_floats
+    float* k_arena
+    float* v_arena
+    int32_t* free_stack       # ids given back, top at n_stack - 1
+    Py_ssize_t n_stack
+    Py_ssize_t next_fresh     # ids >= next_fresh were never handed out
+    int32_t* refs             # holders per block: table entries + a raw allocation
+    unsigned char* owner      # OWNER_* per block
+    int32_t* delta            # scratch for pools_update, all zero between calls
+    Py_ssize_t n_used         # blocks with holders
+    Py_ssize_t high_water
+    uint64_t acquired
+    uint64_t released
+    uint64_t refused
+    Prefix* prefix            # NULL unless prefix_cache=True
+    Pool* reg_prev            # registry of live pools, in address order
+    Pool* reg_next
+
+
+# One pool's part of an all-or-nothing change of block holdings: the holder
+# gains a reference to each of `share`, loses one on each of `drop`, and gets
+# `n_fresh` blocks of its own written to `fresh`.
+ctypedef struct BlockReq:
+    Pool* pool
+    const int32_t* share
+    Py_ssize_t n_share
+    const int32_t* drop
+    Py_ssize_t n_drop
+    int32_t* fresh
+    Py_ssize_t n_fresh
+    int owner
+    Py_ssize_t needed         # out, when refused: blocks it needed beyond what it gives back
+    Py_ssize_t free_seen      # out, when refused: the pool's free blocks
+
+
+# KvCache.c.state
+cdef enum:
+    STATE_NEW = 0             # __init__ never ran
+    STATE_OPEN = 1
+    STATE_CLOSED = 2
+
+
+ctypedef struct Cache:
+    Py_ssize_t kw             # K row width in floats
+    Py_ssize_t vw             # V row width in floats
+    Py_ssize_t len            # positions stored
+    Py_ssize_t cap            # rows that fit without growing / new blocks
+    float* k                  # contiguous storage (NULL when pooled)
+    float* v
+    Pool* pool                # NULL unless pooled (then one reference held)
+    int32_t* table            # block ids, in position order (pooled only)
+    Py_ssize_t n_blocks
+    Py_ssize_t table_cap
+    Py_ssize_t shared_upto    # table[i] for i >= shared_upto is this cache's alone
+    Py_ssize_t plan           # with_capacity plan, -1 when none
+    int busy                  # claimed by a method call
+    int state                 # STATE_*
+
+
+cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
+                    Py_ssize_t vw, bint prefix_cache) noexcept nogil
+cdef void pool_incref(Pool* p) noexcept nogil
+cdef void pool_decref(Pool* p) noexcept nogil
+cdef Py_ssize_t pool_free_count(Pool* p) noexcept nogil
+cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil
+cdef int pools_update(BlockReq* reqs, Py_ssize_t n, Py_ssize_t* failed) noexcept nogil
+cdef int pool_drop(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil
+
+cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                 const float* k, const float* v) noexcept nogil
+cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                  float* k_out, float* v_out) noexcept nogil
+cdef void cache_detach(Cache* c) noexcept nogil
+
+
+@cython.final
+cdef class KvBlockPool:
+    cdef Pool* p
+    cdef readonly Py_ssize_t n_kv_heads
+    cdef readonly Py_ssize_t head_dim
+    cdef readonly Py_ssize_t v_head_dim
+    cdef dict _salts          # salt -> id, for the prefix cache
+    cdef cnp.ndarray _arena_view(self, float* base, Py_ssize_t width_last)
+
+
+@cython.final
+cdef class _Rows:
+    cdef float* k
+    cdef float* v
+    cdef Py_ssize_t cap
+
+
+cdef class KvCache:
+    cdef Cache c
+    cdef _Rows rows           # contiguous storage (None when pooled / empty)
+    cdef readonly Py_ssize_t n_kv_heads
+    cdef readonly Py_ssize_t head_dim
+    cdef readonly Py_ssize_t v_head_dim
+    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim) except -1
+    cdef void _copy_geometry(self, KvCache other) noexcept
+    cdef void _set_rows(self, _Rows r) noexcept
+    cdef object _rows_view(self, bint want_v)
+    cdef object _claimed_view(self, bint want_v)

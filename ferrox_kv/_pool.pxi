@@ -1,0 +1,543 @@
+# The C pool: arenas, block ids, reference counts, the one all-or-nothing
+# path that moves them, fork handling; KvBlockPool on top.
+#
+# Counting. A block is used (it has holders: table entries of caches, or one
+# raw allocation), cached (published in the prefix index and held by no one;
+# evictable) or on the free list (given back, or never handed out: ids from
+# next_fresh up). free_blocks = total - used counts what a request can get,
+# cached blocks included: free list + cached + used = total.
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef void (*fx_fork_fn)() noexcept nogil
+    int pthread_mutex_init(pthread_mutex_t*, void*)
+    int pthread_mutex_destroy(pthread_mutex_t*)
+    int pthread_mutex_lock(pthread_mutex_t*)
+    int pthread_mutex_unlock(pthread_mutex_t*)
+    int pthread_atfork(fx_fork_fn prepare, fx_fork_fn parent, fx_fork_fn child)
+
+cdef Pool* _registry_head = NULL
+
+
+cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
+                    Py_ssize_t vw, bint prefix_cache) noexcept nogil:
+    """Allocate a pool; NULL when memory is short. Sizes are pre-validated.
+
+    Creation is O(1) in resident memory: the arenas and per-block arrays are
+    calloc'd or malloc'd and only the pages that blocks touch become resident
+    (the free list is written only as blocks come back)."""
+    global _registry_head
+    cdef Pool* p = <Pool*>calloc(1, sizeof(Pool))
+    cdef size_t n_k = <size_t>total * <size_t>block_size * <size_t>kw
+    cdef size_t n_v = <size_t>total * <size_t>block_size * <size_t>vw
+    cdef size_t nb = <size_t>total if total > 0 else 1
+    cdef Pool* prev
+    cdef Pool* cur
+    if p == NULL:
+        return NULL
+    p.block_size = block_size
+    p.total = total
+    p.kw = kw
+    p.vw = vw
+    p.k_block_floats = <size_t>block_size * <size_t>kw
+    p.v_block_floats = <size_t>block_size * <size_t>vw
+    p.k_arena = <float*>calloc(n_k if n_k > 0 else 1, sizeof(float))
+    p.v_arena = <float*>calloc(n_v if n_v > 0 else 1, sizeof(float))
+    p.free_stack = <int32_t*>malloc(nb * sizeof(int32_t))
+    p.refs = <int32_t*>calloc(nb, sizeof(int32_t))
+    p.owner = <unsigned char*>calloc(nb, 1)
+    p.delta = <int32_t*>calloc(nb, sizeof(int32_t))
+    if prefix_cache:
+        p.prefix = prefix_new(total, block_size)
+    if (p.k_arena == NULL or p.v_arena == NULL or p.free_stack == NULL
+            or p.refs == NULL or p.owner == NULL or p.delta == NULL
+            or (prefix_cache and p.prefix == NULL)):
+        _pool_free_memory(p)
+        return NULL
+    fx_advise_huge(p.k_arena, n_k * sizeof(float))
+    fx_advise_huge(p.v_arena, n_v * sizeof(float))
+    pthread_mutex_init(&p.lock, NULL)
+    p.refcnt = 1
+    # the registry stays in address order: the order pools are locked in
+    pthread_mutex_lock(&fx_registry_lock)
+    prev = NULL
+    cur = _registry_head
+    while cur != NULL and <size_t>cur < <size_t>p:
+        prev = cur
+        cur = cur.reg_next
+    p.reg_prev = prev
+    p.reg_next = cur
+    if prev != NULL:
+        prev.reg_next = p
+    else:
+        _registry_head = p
+    if cur != NULL:
+        cur.reg_prev = p
+    pthread_mutex_unlock(&fx_registry_lock)
+    return p
+
+
+cdef void _pool_free_memory(Pool* p) noexcept nogil:
+    free(p.k_arena)
+    free(p.v_arena)
+    free(p.free_stack)
+    free(p.refs)
+    free(p.owner)
+    free(p.delta)
+    prefix_free(p.prefix)
+    free(p)
+
+
+cdef void pool_incref(Pool* p) noexcept nogil:
+    fx_incref(&p.refcnt)
+
+
+cdef void pool_decref(Pool* p) noexcept nogil:
+    global _registry_head
+    if p == NULL or fx_decref(&p.refcnt) != 0:
+        return
+    pthread_mutex_lock(&fx_registry_lock)
+    if p.reg_prev != NULL:
+        p.reg_prev.reg_next = p.reg_next
+    else:
+        _registry_head = p.reg_next
+    if p.reg_next != NULL:
+        p.reg_next.reg_prev = p.reg_prev
+    pthread_mutex_unlock(&fx_registry_lock)
+    pthread_mutex_destroy(&p.lock)
+    _pool_free_memory(p)
+
+
+# -- reference counts (pool lock held) ----------------------------------------
+
+cdef inline bint _published(Pool* p, int32_t b) noexcept nogil:
+    return p.prefix != NULL and p.prefix.blk_entry[b] != 0
+
+
+cdef inline void _hold(Pool* p, int32_t b) noexcept nogil:
+    """One more holder of block b, which is held or cached."""
+    cdef int32_t r = p.refs[b]
+    if r == 0:                     # a cached block comes back into use
+        p.n_used += 1
+        p.acquired += 1
+        prefix_held(p, b)
+    fx_store(&p.refs[b], r + 1)
+
+
+cdef inline void _unhold(Pool* p, int32_t b) noexcept nogil:
+    """One holder fewer; at none the block is cached (if published) or free."""
+    cdef int32_t r = p.refs[b] - 1
+    fx_store(&p.refs[b], r)
+    if r != 0:
+        return
+    p.n_used -= 1
+    p.released += 1
+    if _published(p, b):
+        prefix_unheld(p, b)
+    else:
+        p.owner[b] = OWNER_FREE
+        p.free_stack[p.n_stack] = b
+        p.n_stack += 1
+
+
+cdef inline int32_t _take(Pool* p, int owner) noexcept nogil:
+    """A block for a new holder: a given-back one first (its pages are
+    resident), then a never-used id, then an evicted cached block. One must be
+    free (the caller checked)."""
+    cdef int32_t b
+    if p.n_stack == 0 and p.next_fresh == p.total and p.prefix != NULL:
+        prefix_evict(p)            # moves cached blocks onto the free list
+    if p.n_stack > 0:
+        p.n_stack -= 1
+        b = p.free_stack[p.n_stack]
+    else:
+        b = <int32_t>p.next_fresh
+        p.next_fresh += 1
+    p.owner[b] = <unsigned char>owner
+    fx_store(&p.refs[b], 1)
+    p.n_used += 1
+    p.acquired += 1
+    return b
+
+
+cdef int _req_check(BlockReq* r) noexcept nogil:
+    """0 if ``r`` can be applied as a whole, else FX_EXHAUSTED (``r.needed``
+    and ``r.free_seen`` set) or FX_BAD_IDS. Pool lock held; changes nothing."""
+    cdef Pool* p = r.pool
+    cdef Py_ssize_t i, revived = 0, freed = 0, avail
+    cdef int32_t b, now, after
+    cdef int rc = 0
+    for i in range(r.n_share):     # shared blocks: held or cached, by caches
+        b = r.share[i]
+        if (b < 0 or b >= p.total or p.owner[b] != OWNER_CACHE
+                or (p.refs[b] == 0 and not _published(p, b))):
+            return FX_BAD_IDS
+    for i in range(r.n_drop):
+        b = r.drop[i]
+        if b < 0 or b >= p.total or p.owner[b] != r.owner or p.refs[b] <= 0:
+            return FX_BAD_IDS
+    for i in range(r.n_share):
+        p.delta[r.share[i]] += 1
+    for i in range(r.n_drop):
+        p.delta[r.drop[i]] -= 1
+    # each touched id once: evaluate where delta is set, then clear it
+    for i in range(r.n_share + r.n_drop):
+        b = r.share[i] if i < r.n_share else r.drop[i - r.n_share]
+        if p.delta[b] == 0:
+            continue
+        now = p.refs[b]
+        after = now + p.delta[b]
+        p.delta[b] = 0
+        if after < 0:
+            rc = FX_BAD_IDS        # named more often than it is held
+        elif now == 0 and after > 0:
+            revived += 1
+        elif now > 0 and after == 0:
+            freed += 1
+    if rc != 0:
+        return rc
+    avail = p.total - p.n_used
+    if r.n_fresh + revived > avail + freed:
+        r.needed = r.n_fresh + revived - freed
+        r.free_seen = avail
+        return FX_EXHAUSTED
+    return 0
+
+
+cdef void _req_apply(BlockReq* r) noexcept nogil:
+    """Apply a checked request: shares, then drops, then fresh blocks (which
+    may reuse what the drops gave back). Pool lock held. Drops go last to
+    first, so that a sequence's first blocks are the most recently used of
+    the prefix cache's LRU: a chain loses its tail before its head."""
+    cdef Pool* p = r.pool
+    cdef Py_ssize_t i
+    for i in range(r.n_share):
+        _hold(p, r.share[i])
+    for i in range(r.n_drop - 1, -1, -1):
+        _unhold(p, r.drop[i])
+    for i in range(r.n_fresh):
+        r.fresh[i] = _take(p, r.owner)
+    if p.n_used > p.high_water:
+        p.high_water = p.n_used
+
+
+cdef int pools_update(BlockReq* reqs, Py_ssize_t n, Py_ssize_t* failed) noexcept nogil:
+    """Apply ``n`` requests on distinct pools, given in address order, as one
+    change: every pool's or none. Returns 0, or FX_EXHAUSTED / FX_BAD_IDS with
+    ``failed[0]`` the index of the request refused (only its pool counts the
+    refusal). Every pool's lock is held only while its ids move."""
+    cdef Py_ssize_t i
+    cdef int rc = 0
+    for i in range(n):
+        pthread_mutex_lock(&reqs[i].pool.lock)
+    for i in range(n):
+        rc = _req_check(&reqs[i])
+        if rc != 0:
+            failed[0] = i
+            if rc == FX_EXHAUSTED:
+                reqs[i].pool.refused += 1
+            break
+    if rc == 0:
+        for i in range(n):
+            _req_apply(&reqs[i])
+    for i in range(n - 1, -1, -1):
+        pthread_mutex_unlock(&reqs[i].pool.lock)
+    return rc
+
+
+cdef int pool_drop(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil:
+    """A cache lets go of blocks it holds (cannot be refused)."""
+    cdef BlockReq r
+    cdef Py_ssize_t failed
+    if n == 0:
+        return 0
+    memset(&r, 0, sizeof(BlockReq))
+    r.pool = p
+    r.drop = ids
+    r.n_drop = n
+    r.owner = OWNER_CACHE
+    return pools_update(&r, 1, &failed)
+
+
+cdef int pool_take(Pool* p, Py_ssize_t n, int32_t* out, int owner, BlockReq* r) noexcept nogil:
+    """Take ``n`` fresh blocks into ``out`` (``r`` receives the outcome)."""
+    cdef Py_ssize_t failed
+    memset(r, 0, sizeof(BlockReq))
+    r.pool = p
+    r.fresh = out
+    r.n_fresh = n
+    r.owner = owner
+    return pools_update(r, 1, &failed)
+
+
+cdef Py_ssize_t pool_free_count(Pool* p) noexcept nogil:
+    """free_blocks, read under the lock."""
+    cdef Py_ssize_t n
+    pthread_mutex_lock(&p.lock)
+    n = p.total - p.n_used
+    pthread_mutex_unlock(&p.lock)
+    return n
+
+
+cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil:
+    """Count a refusal decided without taking blocks; returns free_blocks."""
+    cdef Py_ssize_t n
+    pthread_mutex_lock(&p.lock)
+    p.refused += 1
+    n = p.total - p.n_used
+    pthread_mutex_unlock(&p.lock)
+    return n
+
+
+# -- fork -------------------------------------------------------------------
+# pthread_atfork runs these inside fork() itself, after every Python-level
+# hook: no Python code runs between taking the locks and letting them go. A
+# thread that holds a pool lock never waits for the GIL, so the forking
+# thread (which holds the GIL) always gets every lock.
+
+cdef void _fork_prepare() noexcept nogil:
+    cdef Pool* p
+    pthread_mutex_lock(&fx_registry_lock)
+    p = _registry_head
+    while p != NULL:               # address order, as every multi-pool call
+        pthread_mutex_lock(&p.lock)
+        p = p.reg_next
+
+
+cdef void _fork_release() noexcept nogil:
+    # in the child this thread is the one that took the locks, so it may
+    # release them; the free lists are consistent because no thread was
+    # inside a locked region when the locks were taken
+    cdef Pool* p = _registry_head
+    while p != NULL:
+        pthread_mutex_unlock(&p.lock)
+        p = p.reg_next
+    pthread_mutex_unlock(&fx_registry_lock)
+
+
+pthread_atfork(_fork_prepare, _fork_release, _fork_release)
+
+
+# ---------------------------------------------------------------------------
+# KvBlockPool
+# ---------------------------------------------------------------------------
+
+@cython.final
+cdef class KvBlockPool:
+    """A bounded pool of fixed-size KV blocks shared by every cache of a process.
+
+    ``KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *,
+    v_head_dim=None, prefix_cache=False)``
+
+    A block holds ``block_size`` positions of one layer's K rows
+    (``n_kv_heads * head_dim`` float32 each) and V rows
+    (``n_kv_heads * v_head_dim``). The pool owns one K arena and one V arena of
+    ``total_blocks`` blocks, allocated so that untouched blocks cost no
+    physical memory. Block ids and their reference counts move under one
+    native mutex, held only while ids move. ``free_blocks`` is the
+    admission-control signal.
+
+    All methods are safe to call from many threads at once.
+    """
+
+    def __cinit__(self, block_size, total_blocks, n_kv_heads, head_dim, *,
+                  v_head_dim=None, prefix_cache=False):
+        self.p = NULL
+        self._salts = {None: 0}
+        cdef Py_ssize_t bs = _count(block_size, "block_size", 1)
+        cdef Py_ssize_t total = _count(total_blocks, "total_blocks", 0)
+        cdef Py_ssize_t h = _count(n_kv_heads, "n_kv_heads", 1)
+        cdef Py_ssize_t d = _count(head_dim, "head_dim", 1)
+        cdef Py_ssize_t vd = d if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
+        cdef bint with_prefix = bool(prefix_cache)
+        if total > INT32_MAX:
+            raise ValueError(f"total_blocks must be <= {INT32_MAX}, got {total}")
+        _checked_bytes("block_size * n_kv_heads * head_dim", bs, h, d)
+        _checked_bytes("block_size * n_kv_heads * v_head_dim", bs, h, vd)
+        _checked_bytes("total_blocks * block_size * K row", total, bs, h * d)
+        _checked_bytes("total_blocks * block_size * V row", total, bs, h * vd)
+        if with_prefix:
+            _checked_bytes("total_blocks * block_size token ids", total, bs, 1)
+        self.n_kv_heads = h
+        self.head_dim = d
+        self.v_head_dim = vd
+        with nogil:
+            self.p = pool_new(bs, total, h * d, h * vd, with_prefix)
+        if self.p == NULL:
+            raise MemoryError(f"cannot allocate a pool of {total} blocks of {bs} positions")
+
+    def __init__(self, block_size, total_blocks, n_kv_heads, head_dim, *,
+                 v_head_dim=None, prefix_cache=False):
+        pass    # all done in __cinit__; here so that the signature is introspectable
+
+    def __dealloc__(self):
+        pool_decref(self.p)
+        self.p = NULL
+
+    @property
+    def block_size(self):
+        """Positions per block."""
+        return self.p.block_size
+
+    @property
+    def total_blocks(self):
+        """Blocks in the pool."""
+        return self.p.total
+
+    @property
+    def free_blocks(self):
+        """Blocks a request can get right now: never used, given back, or
+        cached by the prefix cache and held by no one (a snapshot)."""
+        return pool_free_count(self.p)
+
+    @property
+    def used_blocks(self):
+        """Blocks held by caches (or by ``allocate``) right now."""
+        return self.p.total - pool_free_count(self.p)
+
+    @property
+    def cached_blocks(self):
+        """Published prefix-cache blocks that no cache holds (evictable; they
+        count as free)."""
+        return self.stats()["cached_blocks"]
+
+    @property
+    def prefix_cache(self):
+        """Whether this pool keeps a prefix cache."""
+        return self.p.prefix != NULL
+
+    @property
+    def block_bytes(self):
+        """Bytes of one block, K and V together."""
+        return (self.p.k_block_floats + self.p.v_block_floats) * sizeof(float)
+
+    def stats(self):
+        """A consistent snapshot of the pool's counters, as a dict.
+
+        ``total_blocks``, ``free_blocks``, ``used_blocks``, ``cached_blocks``
+        (published, held by no one; part of ``free_blocks``), ``high_water``
+        (most blocks used at once), ``acquired`` and ``released`` (blocks that
+        came into use and went out of use), ``refused`` (requests refused for
+        lack of blocks), ``block_size``, ``block_bytes``, and for the prefix
+        cache ``prefix_hits`` and ``prefix_misses`` (lookups that reused at
+        least one block, or none), ``hit_tokens`` (positions reused) and
+        ``evictions`` (cached blocks given to other requests).
+        """
+        cdef Pool* p = self.p
+        cdef Py_ssize_t used, high, cached = 0
+        cdef uint64_t acq, rel, ref, hits = 0, misses = 0, toks = 0, ev = 0
+        with nogil:
+            pthread_mutex_lock(&p.lock)
+            used = p.n_used
+            high = p.high_water
+            acq = p.acquired
+            rel = p.released
+            ref = p.refused
+            if p.prefix != NULL:
+                cached = p.prefix.n_cached
+                hits = p.prefix.hits
+                misses = p.prefix.misses
+                toks = p.prefix.hit_tokens
+                ev = p.prefix.evictions
+            pthread_mutex_unlock(&p.lock)
+        return {
+            "total_blocks": p.total,
+            "free_blocks": p.total - used,
+            "used_blocks": used,
+            "cached_blocks": cached,
+            "high_water": high,
+            "acquired": acq,
+            "released": rel,
+            "refused": ref,
+            "block_size": p.block_size,
+            "block_bytes": self.block_bytes,
+            "prefix_hits": hits,
+            "prefix_misses": misses,
+            "hit_tokens": toks,
+            "evictions": ev,
+        }
+
+    cdef cnp.ndarray _arena_view(self, float* base, Py_ssize_t width_last):
+        cdef cnp.npy_intp dims[4]
+        dims[0] = self.p.total
+        dims[1] = self.p.block_size
+        dims[2] = self.n_kv_heads
+        dims[3] = width_last
+        cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(4, dims, cnp.NPY_FLOAT32, base)
+        cnp.set_array_base(arr, self)          # the view keeps the pool alive
+        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+        return arr
+
+    @property
+    def key_blocks(self):
+        """Read-only zero-copy view of the K arena,
+        shape ``(total_blocks, block_size, n_kv_heads, head_dim)``; it keeps the
+        arena alive. Row ``r`` of a pooled cache lives at
+        ``key_blocks[cache.block_table[r // block_size], r % block_size]``."""
+        return self._arena_view(self.p.k_arena, self.head_dim)
+
+    @property
+    def value_blocks(self):
+        """Read-only zero-copy view of the V arena,
+        shape ``(total_blocks, block_size, n_kv_heads, v_head_dim)``."""
+        return self._arena_view(self.p.v_arena, self.v_head_dim)
+
+    def allocate(self, n):
+        """Take ``n`` blocks, all or nothing, and return their ids (int32 array).
+
+        For block managers that keep their own tables (e.g. a GPU server's
+        Python scheduler). Raises ``KvPoolExhausted`` with nothing taken when
+        fewer than ``n`` are free. Give them back with ``free(ids)``.
+        """
+        cdef Py_ssize_t count = _count(n, "n", 0)
+        cdef BlockReq r
+        if count > self.p.total:       # refused before any memory is sized by n
+            raise KvPoolExhausted(count, pool_refuse(self.p))
+        cdef cnp.npy_intp dim = count
+        cdef cnp.ndarray ids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        if pool_take(self.p, count, <int32_t*>cnp.PyArray_DATA(ids), OWNER_RAW, &r) != 0:
+            raise KvPoolExhausted(r.needed, r.free_seen)
+        return ids
+
+    def free(self, block_ids):
+        """Give back blocks taken with ``allocate``.
+
+        All or nothing: if any id is out of range or not currently held from
+        ``allocate`` (or is named more often than it is held), ``ValueError``
+        and nothing changes.
+        """
+        cdef cnp.ndarray ids
+        cdef BlockReq r
+        cdef Py_ssize_t failed
+        cdef int rc
+        if (cnp.PyArray_Check(block_ids)
+                and cnp.PyArray_TYPE(<cnp.ndarray>block_ids) == cnp.NPY_INT32
+                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>block_ids)
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>block_ids)):
+            ids = <cnp.ndarray>block_ids      # what allocate() returned: no copy
+        else:
+            wide = np.asarray(block_ids)
+            if wide.dtype.kind not in "iu":
+                if wide.size == 0:
+                    return
+                raise TypeError(f"block_ids must be integers, got dtype {wide.dtype}")
+            wide = wide.astype(np.int64).ravel()
+            if wide.size and (wide.min() < 0 or wide.max() >= self.p.total):
+                raise ValueError(f"block id out of range 0..{self.p.total - 1}")
+            ids = wide.astype(np.int32)
+        memset(&r, 0, sizeof(BlockReq))
+        r.pool = self.p
+        r.drop = <int32_t*>cnp.PyArray_DATA(ids)
+        r.n_drop = cnp.PyArray_SIZE(ids)
+        r.owner = OWNER_RAW
+        rc = pools_update(&r, 1, &failed)
+        if rc != 0:
+            raise ValueError("block_ids names a block that is not held from allocate() "
+                             f"(out of range 0..{self.p.total - 1}, a double free, or a "
+                             "block a cache holds); nothing was given back")
+
+    def __repr__(self):
+        return (f"KvBlockPool(block_size={self.p.block_size}, "
+                f"total_blocks={self.p.total}, n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}"
+                f"{', prefix_cache=True' if self.p.prefix != NULL else ''}, "
+                f"free_blocks={self.free_blocks})")

@@ -1,0 +1,59 @@
+# Test-only and benchmark-only hooks (not part of the public API).
+
+cdef extern from "<unistd.h>" nogil:
+    int usleep(unsigned int)
+
+
+def _hold_pool_lock(KvBlockPool pool not None, double seconds):
+    """Hold the pool's lock for ``seconds`` without the GIL (fork test)."""
+    with nogil:
+        pthread_mutex_lock(&pool.p.lock)
+        usleep(<unsigned int>(seconds * 1e6))
+        pthread_mutex_unlock(&pool.p.lock)
+
+
+def _set_constant_hash(bint on):
+    """Make every prefix-cache key equal (forces hash collisions); returns
+    the old setting."""
+    global fx_constant_hash
+    old = fx_constant_hash
+    fx_constant_hash = on
+    return bool(old)
+
+
+def _take_give_loop(KvBlockPool pool not None, Py_ssize_t iters, Py_ssize_t batch):
+    """Take and give back ``batch`` blocks ``iters`` times, in C, without the
+    GIL. Returns how many takes were refused (pool benchmark)."""
+    cdef int32_t* ids = <int32_t*>malloc((batch if batch > 0 else 1) * sizeof(int32_t))
+    cdef Py_ssize_t i, refused = 0, failed
+    cdef BlockReq r
+    if ids == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in range(iters):
+            if pool_take(pool.p, batch, ids, OWNER_RAW, &r) != 0:
+                refused += 1
+            else:
+                r.fresh = NULL
+                r.n_fresh = 0
+                r.drop = ids
+                r.n_drop = batch
+                pools_update(&r, 1, &failed)
+    free(ids)
+    return refused
+
+
+def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t row_floats):
+    """memcpy ``src`` into ``dst`` row by row (rows of ``row_floats``), one C
+    loop, no Python per row: the memory-bandwidth floor for the benchmark."""
+    cdef char* d = <char*>cnp.PyArray_DATA(dst)
+    cdef const char* s = <const char*>cnp.PyArray_DATA(src)
+    cdef size_t nbytes = <size_t>cnp.PyArray_NBYTES(src)
+    cdef size_t row = <size_t>row_floats * sizeof(float)
+    cdef size_t off = 0
+    if cnp.PyArray_NBYTES(dst) < <cnp.npy_intp>nbytes or row == 0:
+        raise ValueError("dst smaller than src, or empty rows")
+    with nogil:
+        while off + row <= nbytes:
+            memcpy(d + off, s + off, row)
+            off += row
