@@ -316,3 +316,180 @@ def _extend_each(caches, k_steps, v_steps):
     cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
     cdef cnp.ndarray va = _f32(v_steps, "v_steps")
     _append_rows(cl, ka, va, True)
+
+
+# -- rows of one cache into another: reorders, forks ---------------------------------
+
+def _assign(caches, sources):
+    """``caches[i]`` takes the rows of ``caches[sources[i]]`` for every i with
+    ``sources[i] != i``, all at once (every source is read as it was before
+    the call). For beams (``reorder_cache``), batch selection and forks.
+
+    Pooled caches (all on one pool) share the source's full blocks (one more
+    reference each) and get blocks of their own for the source's partly
+    filled tail and for their reservation: ``max(their own blocks, the
+    source's)``. Their old blocks are let go in the same step, which may
+    supply the new ones: one all-or-nothing change of the pool
+    (``KvPoolExhausted``, nothing changed). Contiguous caches copy rows.
+    """
+    cdef tuple cl = tuple(caches)
+    cdef Py_ssize_t n = len(cl), i
+    src = [_index(s, "sources[i]") for s in sources]   # user code, before any claim
+    if len(src) != n:
+        raise ValueError(f"sources has {len(src)} entries for {n} caches")
+    for i in range(n):
+        if not 0 <= src[i] < n:
+            raise ValueError(f"sources[{i}] = {src[i]} is out of range for {n} caches")
+    if n == 0:
+        return
+    cdef Cache** cs = _claim_all(cl, "caches")
+    cdef Py_ssize_t* order = <Py_ssize_t*>malloc(<size_t>n * sizeof(Py_ssize_t))
+    try:
+        if order == NULL:
+            raise MemoryError()
+        _check_same_geometry(cl, "caches")
+        for i in range(n):
+            order[i] = src[i]
+            if (cs[i].pool == NULL) != (cs[0].pool == NULL) or cs[i].pool != cs[0].pool:
+                raise ValueError("caches must all be contiguous or all on one pool")
+        if cs[0].pool != NULL:
+            _assign_blocks(cs, order, n)
+        else:
+            _assign_rows(cl, cs, order, n)
+    finally:
+        free(order)
+        _release_all(cs, n)
+
+
+cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) except -1:
+    """_assign for caches on one pool: snapshot what every source holds, then
+    one pools_update (shares, the targets' old blocks, fresh blocks), then
+    the new tables and the tail rows."""
+    cdef Pool* p = cs[0].pool
+    cdef Py_ssize_t bs = p.block_size, kw = cs[0].kw, vw = cs[0].vw
+    cdef Py_ssize_t i, s, full, tail, failed = 0
+    cdef Py_ssize_t n_share = 0, n_drop = 0, n_fresh = 0, n_tail = 0
+    cdef Py_ssize_t* n_new = NULL          # per target: blocks after the change
+    cdef Py_ssize_t* src_len = NULL        # per target: its source's length now
+    cdef int32_t* share = NULL
+    cdef int32_t* drop = NULL
+    cdef int32_t* fresh = NULL
+    cdef float* tails = NULL               # per target: source tail, K rows then V rows
+    cdef BlockReq r
+    cdef int rc
+    cdef Cache* c
+    try:
+        n_new = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        src_len = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        if n_new == NULL or src_len == NULL:
+            raise MemoryError()
+        for i in range(n):                 # sizes, and table room (MemoryError only)
+            s = order[i]
+            if s == i:
+                continue
+            src_len[i] = cs[s].len
+            full = src_len[i] // bs
+            tail = src_len[i] - full * bs
+            n_new[i] = max(cs[i].n_blocks, cs[s].n_blocks, full + (tail > 0))
+            n_share += full
+            n_drop += cs[i].n_blocks
+            n_fresh += n_new[i] - full
+            n_tail += tail
+            _reserve_table(cs[i], n_new[i] - cs[i].n_blocks)
+        share = <int32_t*>malloc(<size_t>(n_share + 1) * sizeof(int32_t))
+        drop = <int32_t*>malloc(<size_t>(n_drop + 1) * sizeof(int32_t))
+        fresh = <int32_t*>malloc(<size_t>(n_fresh + 1) * sizeof(int32_t))
+        tails = <float*>malloc(<size_t>(n_tail * (kw + vw) + 1) * sizeof(float))
+        if share == NULL or drop == NULL or fresh == NULL or tails == NULL:
+            raise MemoryError()
+        n_share = n_drop = n_tail = 0
+        for i in range(n):                 # snapshot: full blocks, old tables, tail rows
+            s = order[i]
+            if s == i:
+                continue
+            full = src_len[i] // bs
+            tail = src_len[i] - full * bs
+            memcpy(share + n_share, cs[s].table, <size_t>full * sizeof(int32_t))
+            n_share += full
+            memcpy(drop + n_drop, cs[i].table, <size_t>cs[i].n_blocks * sizeof(int32_t))
+            n_drop += cs[i].n_blocks
+            cache_gather(cs[s], full * bs, tail, tails + n_tail * (kw + vw),
+                         tails + n_tail * (kw + vw) + tail * kw)
+            n_tail += tail
+        memset(&r, 0, sizeof(BlockReq))
+        r.pool = p
+        r.share = share
+        r.n_share = n_share
+        r.drop = drop
+        r.n_drop = n_drop
+        r.fresh = fresh
+        r.n_fresh = n_fresh
+        r.owner = OWNER_CACHE
+        with nogil:
+            rc = pools_update(&r, 1, &failed)
+        if rc == FX_EXHAUSTED:
+            raise KvPoolExhausted(r.needed, r.free_seen)
+        if rc != 0:
+            raise RuntimeError("ferrox_kv: a block table names a block it does not hold")
+        # nothing below can fail
+        for i in range(n):                 # a source that stays shares its full blocks now
+            s = order[i]
+            if s != i and order[s] == s and src_len[i] // bs > cs[s].shared_upto:
+                cs[s].shared_upto = src_len[i] // bs
+        n_share = n_fresh = n_tail = 0
+        for i in range(n):
+            s = order[i]
+            if s == i:
+                continue
+            c = cs[i]
+            full = src_len[i] // bs
+            tail = src_len[i] - full * bs
+            memcpy(c.table, share + n_share, <size_t>full * sizeof(int32_t))
+            n_share += full
+            memcpy(c.table + full, fresh + n_fresh, <size_t>(n_new[i] - full) * sizeof(int32_t))
+            n_fresh += n_new[i] - full
+            c.n_blocks = n_new[i]
+            c.cap = n_new[i] * bs
+            c.shared_upto = full
+            cache_write(c, full * bs, tail, tails + n_tail * (kw + vw),
+                        tails + n_tail * (kw + vw) + tail * kw)
+            n_tail += tail
+            c.len = src_len[i]
+    finally:
+        free(n_new)
+        free(src_len)
+        free(share)
+        free(drop)
+        free(fresh)
+        free(tails)
+    return 0
+
+
+cdef int _assign_rows(tuple cl, Cache** cs, const Py_ssize_t* order, Py_ssize_t n) except -1:
+    """_assign for contiguous caches: the sources' rows are copied out first,
+    new buffers allocated where a target is too small, then rows written."""
+    cdef Py_ssize_t i, s
+    cdef dict snap = {}
+    cdef list rows = [None] * n
+    cdef _Rows r
+    for i in range(n):
+        s = order[i]
+        if s == i:
+            continue
+        if s not in snap:
+            r = _rows_new(cs[s].len, cs[s].kw, cs[s].vw)
+            _gather_rows(cs[s], cs[s].len, r.k, r.v)
+            snap[s] = (r, cs[s].len)
+        if cs[i].cap < cs[s].len:
+            rows[i] = _rows_new(cs[s].len, cs[i].kw, cs[i].vw)
+    for i in range(n):                     # nothing below can fail
+        s = order[i]
+        if s == i:
+            continue
+        r, length = snap[s]
+        if rows[i] is not None:
+            (<KvCache>cl[i])._set_rows(<_Rows>rows[i])
+        cs[i].len = 0
+        cache_write(cs[i], 0, length, r.k, r.v)
+        cs[i].len = length
+    return 0

@@ -200,10 +200,12 @@ cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
 
 @cython.no_gc_clear
 cdef class KvCache:
-    """K and V rows of one sequence in one layer.
+    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None)
+--
 
-    ``KvCache(n_kv_heads, head_dim, *, v_head_dim=None)`` starts empty and
-    grows geometrically; ``KvCache.with_capacity`` pre-allocates a plan;
+K and V rows of one sequence in one layer.
+
+    ``KvCache(n_kv_heads, head_dim)`` starts empty and grows geometrically; ``KvCache.with_capacity`` pre-allocates a plan;
     ``KvCache.with_pool`` draws fixed-size blocks from a shared
     ``KvBlockPool``, reserving its worst case up front.
 
@@ -220,7 +222,8 @@ cdef class KvCache:
         self.c.state = STATE_NEW
         self.rows = None
 
-    def __init__(self, n_kv_heads, head_dim, *, v_head_dim=None):
+    def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None):
+        _require(type(self).__name__, ("n_kv_heads", "head_dim"), (n_kv_heads, head_dim))
         if not fx_try_claim(&self.c.busy):
             raise RuntimeError(_BUSY)
         try:
@@ -281,6 +284,29 @@ cdef class KvCache:
         positions (and can then raise ``KvPoolExhausted``).
         """
         return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len)[0]
+
+    def _blank(self, Py_ssize_t count):
+        """``count`` empty caches like this one, to be filled by ``_assign``:
+        on its pool with no blocks yet (``_assign`` gives them the source's
+        reservation), or contiguous with this cache's plan."""
+        cdef list out = []
+        cdef KvCache c
+        cdef Py_ssize_t i
+        _enter(self)
+        try:
+            for i in range(count):
+                c = KvCache.__new__(KvCache)
+                c._copy_geometry(self)
+                if self.c.pool != NULL:
+                    pool_incref(self.c.pool)
+                    c.c.pool = self.c.pool
+                elif self.c.plan >= 0:
+                    c._set_rows(_rows_new(self.c.plan, c.c.kw, c.c.vw))
+                    c.c.plan = self.c.plan
+                out.append(c)
+        finally:
+            _leave(self)
+        return out
 
     @staticmethod
     def with_pool_many(count, n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,

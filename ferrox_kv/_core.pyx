@@ -107,6 +107,19 @@ class KvPoolExhausted(Exception):
 # Argument helpers
 # ---------------------------------------------------------------------------
 
+cdef object _MISSING = object()    # a required argument that was not passed
+
+
+cdef int _require(str what, tuple names, tuple values) except -1:
+    """TypeError naming every required argument that was not passed."""
+    missing = [name for name, value in zip(names, values) if value is _MISSING]
+    if missing:
+        raise TypeError(f"{what}() missing {len(missing)} required argument"
+                        f"{'s' if len(missing) > 1 else ''}: "
+                        + ", ".join(repr(m) for m in missing))
+    return 0
+
+
 cdef object _index(object value, str name):
     """``value`` as a Python int, or TypeError naming the argument."""
     try:

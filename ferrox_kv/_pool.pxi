@@ -323,10 +323,10 @@ pthread_atfork(_fork_prepare, _fork_release, _fork_release)
 
 @cython.final
 cdef class KvBlockPool:
-    """A bounded pool of fixed-size KV blocks shared by every cache of a process.
+    """KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None, prefix_cache=False)
+--
 
-    ``KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *,
-    v_head_dim=None, prefix_cache=False)``
+A bounded pool of fixed-size KV blocks shared by every cache of a process.
 
     A block holds ``block_size`` positions of one layer's K rows
     (``n_kv_heads * head_dim`` float32 each) and V rows
@@ -339,9 +339,11 @@ cdef class KvBlockPool:
     All methods are safe to call from many threads at once.
     """
 
-    def __cinit__(self, block_size, total_blocks, n_kv_heads, head_dim, *,
-                  v_head_dim=None, prefix_cache=False):
+    def __cinit__(self, block_size=_MISSING, total_blocks=_MISSING, n_kv_heads=_MISSING,
+                  head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False):
         self.p = NULL
+        _require("KvBlockPool", ("block_size", "total_blocks", "n_kv_heads", "head_dim"),
+                 (block_size, total_blocks, n_kv_heads, head_dim))
         self._salts = {None: 0}
         cdef Py_ssize_t bs = _count(block_size, "block_size", 1)
         cdef Py_ssize_t total = _count(total_blocks, "total_blocks", 0)
@@ -365,8 +367,8 @@ cdef class KvBlockPool:
         if self.p == NULL:
             raise MemoryError(f"cannot allocate a pool of {total} blocks of {bs} positions")
 
-    def __init__(self, block_size, total_blocks, n_kv_heads, head_dim, *,
-                 v_head_dim=None, prefix_cache=False):
+    def __init__(self, block_size=_MISSING, total_blocks=_MISSING, n_kv_heads=_MISSING,
+                 head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False):
         pass    # all done in __cinit__; here so that the signature is introspectable
 
     def __dealloc__(self):

@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ferrox_kv import KvBlockPool, KvCache
+from ferrox_kv._core import _assign, _extend_each
 
 __all__ = ["FerroxCache", "FerroxLayer", "kv_geometry"]
 
@@ -55,6 +56,15 @@ def kv_geometry(config):
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     return cfg.num_hidden_layers, int(n_kv), int(head_dim)
+
+
+def _order(beam_idx, n):
+    order = [int(i) for i in (beam_idx.tolist() if hasattr(beam_idx, "tolist") else beam_idx)]
+    if len(order) != n:
+        raise ValueError(f"beam_idx has {len(order)} entries for {n} sequences")
+    if any(i < 0 or i >= n for i in order):
+        raise ValueError(f"beam_idx {order} out of range for {n} sequences")
+    return order
 
 
 class FerroxLayer(CacheLayerMixin):
@@ -80,26 +90,38 @@ class FerroxLayer(CacheLayerMixin):
     # -- the hot path ---------------------------------------------------------
 
     def update(self, key_states, value_states, *args, **kwargs):
+        owner = self._owner
+        owner._check_open()
+        if key_states.dim() != 4 or value_states.dim() != 4:
+            raise ValueError("update takes key_states and value_states shaped (batch, heads, "
+                             f"T, head_dim); got {tuple(key_states.shape)} and "
+                             f"{tuple(value_states.shape)}")
+        kb, kh, kt, kd = key_states.shape
+        vb, vh, vt, vd = value_states.shape
+        if (kb, kh, kt) != (vb, vh, vt):
+            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states "
+                             f"{tuple(value_states.shape)} differ in batch, heads or positions")
+        if (kh, kd, vd) != (owner.n_kv_heads, owner.head_dim, owner.head_dim):
+            raise ValueError(f"key/value states have {kh} heads of {kd}/{vd}; this cache holds "
+                             f"{owner.n_kv_heads} heads of {owner.head_dim}")
+        if kb < len(self.seqs):
+            raise ValueError(f"update got a batch of {kb} for a cache holding {len(self.seqs)} "
+                             "sequences; use batch_select_indices to shrink it first")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch = key_states.shape[0]
-        if batch < len(self.seqs):
-            raise ValueError(f"update got a batch of {batch} for a cache holding {len(self.seqs)} "
-                             "sequences; use batch_select_indices to shrink it first")
-        if batch > len(self.seqs):
-            self._owner._ensure_batch(batch)
+        had = owner.batch_size
+        if kb > had:
+            owner._ensure_batch(kb)
         # (B, H, T, D) -> (B, T, H, D) float32 on the CPU; no copy for one
         # float32 CPU token, whose (H, 1, D) rows are already (1, H, D).
-        k = key_states.detach().to("cpu", torch.float32).transpose(1, 2)
-        v = value_states.detach().to("cpu", torch.float32).transpose(1, 2)
-        kn = k.contiguous().numpy()
-        vn = v.contiguous().numpy()
-        t = kn.shape[1]
-        for b, cache in enumerate(self.seqs):
-            if t == 1:
-                cache.push(kn[b, 0], vn[b, 0])
-            else:
-                cache.extend(kn[b], vn[b])
+        kn = key_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+        vn = value_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+        try:
+            _extend_each(self.seqs, kn, vn)        # every sequence or none
+        except BaseException:
+            if kb > had:
+                owner._shrink_batch(had)
+            raise
         return self._gather()
 
     def _gather(self):
@@ -147,26 +169,9 @@ class FerroxLayer(CacheLayerMixin):
             cache.truncate(new_len)
 
     def reorder_cache(self, beam_idx) -> None:
-        """Sequence b takes the rows of sequence beam_idx[b] (beam search).
-
-        Every source is copied out before any sequence is rewritten; the
-        rewritten ones stay within their reservation (no new blocks)."""
-        order = [int(i) for i in (beam_idx.tolist() if hasattr(beam_idx, "tolist") else beam_idx)]
-        if order == list(range(len(self.seqs))):
-            return
-        if len(order) != len(self.seqs):
-            raise ValueError(f"beam_idx has {len(order)} entries for {len(self.seqs)} sequences")
-        snap = {}
-        for i in set(order):
-            kv, vv = self.seqs[i]._views()   # pooled: already a copy
-            snap[i] = (kv, vv) if self.seqs[i].is_pooled else (kv.copy(), vv.copy())
-        for b, src in enumerate(order):
-            if src == b:
-                continue
-            kv, vv = snap[src]
-            cache = self.seqs[b]
-            cache.clear()
-            cache.extend(kv, vv)
+        """This layer's sequences reordered (beam search);
+        ``FerroxCache.reorder_cache`` does every layer in one step."""
+        self._owner._reorder_layers([self], _order(beam_idx, len(self.seqs)))
 
     def offload(self):
         pass
@@ -215,6 +220,7 @@ class FerroxCache(Cache):
             raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._closed = False
         self.pool = pool
         self.max_seq_len = max_seq_len
         self.n_kv_heads = n_kv
@@ -231,22 +237,56 @@ class FerroxCache(Cache):
                     for _ in range(count)]
         return [KvCache(self.n_kv_heads, self.head_dim) for _ in range(count)]
 
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("FerroxCache is closed")
+
+    def _reorder_layers(self, layers, order):
+        """Sequence b of every given layer takes the rows of its sequence
+        order[b] (b < len(order); the rest stay), all layers at once, all or
+        nothing. Pooled: the full blocks are shared, not copied."""
+        self._check_open()
+        n = len(layers[0].seqs) if layers else 0
+        flat = [c for layer in layers for c in layer.seqs]
+        sources = [li * n + (order[b] if b < len(order) else b)
+                   for li in range(len(layers)) for b in range(n)]
+        _assign(flat, sources)
+
     def _ensure_batch(self, batch: int) -> None:
-        """Grow every layer to ``batch`` sequences: all layers or none."""
+        """Grow every layer to ``batch`` sequences: all layers or none. A batch
+        that grows mid-sequence starts as copies of sequence 0 (sharing its
+        full blocks when pooled)."""
+        self._check_open()
         have = self.batch_size
         if batch <= have:
             return
-        extra = batch - have
-        fresh = self._new_caches(extra * len(self.layers))     # raises before any change
-        seq_len = self.get_seq_length() if have else 0
-        for i, layer in enumerate(self.layers):
-            new = fresh[i * extra:(i + 1) * extra]
-            if seq_len:
-                # a batch that grows mid-sequence starts as copies of sequence 0
-                kv, vv = layer.seqs[0]._views()
-                for c in new:
-                    c.extend(kv, vv)
-            layer.seqs.extend(new)
+        if have == 0:
+            extra = batch
+            fresh = self._new_caches(extra * len(self.layers))  # raises before any change
+            for i, layer in enumerate(self.layers):
+                layer.seqs = fresh[i * extra:(i + 1) * extra]
+            return
+        self._grow_from(lambda b: 0, batch)
+
+    def _grow_from(self, source, batch):
+        """Every layer grows to ``batch`` sequences, sequence b (old or new)
+        taking the rows of old sequence ``source(b)``; all or nothing."""
+        have = self.batch_size
+        new = [layer.seqs[0]._blank(batch - have) for layer in self.layers]
+        flat, sources = [], []
+        for li, layer in enumerate(self.layers):
+            base = len(flat)
+            flat += layer.seqs + new[li]
+            sources += [base + source(b) for b in range(batch)]
+        try:
+            _assign(flat, sources)
+        except BaseException:
+            for caches in new:
+                for c in caches:
+                    c.close()
+            raise
+        for li, layer in enumerate(self.layers):
+            layer.seqs = layer.seqs + new[li]
 
     def _shrink_batch(self, batch: int) -> None:
         for layer in self.layers:
@@ -254,28 +294,33 @@ class FerroxCache(Cache):
                 cache.close()
             del layer.seqs[batch:]
 
+    def reorder_cache(self, beam_idx) -> None:
+        """Sequence b takes the rows of sequence beam_idx[b] (beam search), in
+        every layer at once, all or nothing."""
+        self._reorder_layers(self.layers, _order(beam_idx, self.batch_size))
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every sequence ``repeats`` times (sequence b -> b*repeats ..
-        b*repeats + repeats - 1), reserving the new sequences in every layer at
-        once first (or ``KvPoolExhausted`` with nothing changed)."""
-        have = self.batch_size
-        self._ensure_batch(have * repeats)
-        order = [b // repeats for b in range(have * repeats)]
-        for layer in self.layers:
-            layer.reorder_cache(order)
+        b*repeats + repeats - 1), in every layer at once; pooled copies share
+        the full blocks and reserve their own plan (``KvPoolExhausted`` with
+        nothing changed when the pool cannot)."""
+        self._check_open()
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        if repeats > 1 and self.batch_size:
+            self._grow_from(lambda b: b // repeats, self.batch_size * repeats)
 
     def batch_select_indices(self, indices) -> None:
-        """Keep only the sequences ``indices`` (in that order); the blocks of
-        the others go back to the pool."""
+        """Keep only the sequences ``indices`` (in that order), in every layer
+        at once; the blocks of the others go back to the pool."""
+        self._check_open()
         keep = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
         have = self.batch_size
         if any(i < 0 or i >= have for i in keep):
             raise IndexError(f"indices {keep} out of range for batch {have}")
         if len(keep) > have:
             raise ValueError(f"{len(keep)} indices for a batch of {have}")
-        order = keep + list(range(len(keep), have))
-        for layer in self.layers:
-            layer.reorder_cache(order)
+        self._reorder_layers(self.layers, keep)
         self._shrink_batch(len(keep))
 
     @property
@@ -288,14 +333,22 @@ class FerroxCache(Cache):
         return sum(c.blocks_held for layer in self.layers for c in layer.seqs)
 
     def close(self) -> None:
-        """Give every block back and drop the rows. Idempotent."""
+        """Give every block back and drop the rows. Final, as for a file:
+        afterwards ``update`` and the batch methods raise
+        ``ValueError("FerroxCache is closed")``. Idempotent."""
+        self._closed = True
         for layer in self.layers:
             for cache in layer.seqs:
                 cache.close()
             layer.seqs = []
             layer.is_initialized = False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self):
+        self._check_open()
         return self
 
     def __exit__(self, *exc):
