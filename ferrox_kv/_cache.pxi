@@ -616,6 +616,27 @@ K and V rows of one sequence in one layer.
             _leave(self)
         return out
 
+    def fork(self):
+        """A new cache with the same rows that shares this one's blocks.
+
+        Pooled: every full block is shared (one more reference), the partly
+        filled tail block is copied into a block of the child's own, and the
+        child reserves the parent's plan beyond the shared blocks, all or
+        nothing (``KvPoolExhausted``, nothing changed). Decoding within the
+        plan then never needs a block in parent or child. A write into a
+        shared block (only after ``truncate`` back into shared territory)
+        copies that block first, which takes a free block and may raise
+        ``KvPoolExhausted``. Contiguous caches: ``copy()``."""
+        if self.c.pool == NULL:
+            return self.copy()
+        child = self._blank(1)[0]
+        try:
+            _assign((self, child), (0, 0))
+        except BaseException:
+            child.close()
+            raise
+        return child
+
     def __copy__(self):
         return self.copy()
 

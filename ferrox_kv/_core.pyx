@@ -46,6 +46,7 @@ from libc.string cimport memcmp, memcpy, memset
 
 cimport numpy as cnp
 import numpy as np
+from numpy.lib.array_utils import byte_bounds as _byte_bounds
 
 cnp.import_array()
 
@@ -170,9 +171,32 @@ cdef object _as_f32(object x, str name):
                         f"{type(x).__name__} ({e})") from None
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must hold numbers, got dtype {arr.dtype}")
+    _check_within_buffer(arr, name)
     if arr.dtype != np.float32 or not arr.flags.c_contiguous:
         arr = arr.astype(np.float32, order="C")
     return arr
+
+
+cdef int _check_within_buffer(object arr, str name) except -1:
+    """An array numpy built over another object's buffer (through
+    ``__array_interface__``) must lie inside that buffer: numpy trusts the
+    interface's shape. (A raw pointer in the interface cannot be checked;
+    numpy trusts it as ctypes does.)"""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if base is None or arr.size == 0:
+        return 0
+    try:
+        buf = np.frombuffer(base, np.uint8)
+    except (TypeError, ValueError, BufferError):
+        return 0                       # not a buffer exporter
+    low, high = _byte_bounds(arr)
+    lo = buf.__array_interface__["data"][0]
+    if low < lo or high > lo + buf.nbytes:
+        raise TypeError(f"{name} describes {high - low} bytes that its buffer of "
+                        f"{buf.nbytes} bytes does not hold (a lying __array_interface__)")
+    return 0
 
 
 cdef inline cnp.ndarray _f32(object x, str name):

@@ -297,6 +297,7 @@ class FerroxCache(Cache):
     def reorder_cache(self, beam_idx) -> None:
         """Sequence b takes the rows of sequence beam_idx[b] (beam search), in
         every layer at once, all or nothing."""
+        self._check_open()
         self._reorder_layers(self.layers, _order(beam_idx, self.batch_size))
 
     def batch_repeat_interleave(self, repeats: int) -> None:

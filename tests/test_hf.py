@@ -349,3 +349,68 @@ def test_a_smaller_batch_than_the_cache_holds_is_refused_with_nothing_changed(mo
         _prefilled(cache, model, _prompt(1, seed=19, batch=1))
     assert pool.used_blocks == held and cache.get_seq_length() == length
     cache.close()
+
+
+def _one_layer_cache(pool, batch, max_seq_len):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1)
+    return FerroxCache(cfg, pool=pool, max_seq_len=max_seq_len, batch_size=batch)
+
+
+def test_update_is_all_or_nothing_across_the_batch():
+    pool = KvBlockPool(4, 3, 1, 8)                 # 2 reserved, 1 free
+    cache = _one_layer_cache(pool, 2, 4)
+    layer = cache.layers[0]
+    layer.update(torch.ones(2, 1, 4, 8), torch.ones(2, 1, 4, 8))
+    assert [c.seq_len for c in layer.seqs] == [4, 4]
+    with pytest.raises(KvPoolExhausted) as e:      # each sequence needs a block: 2 > 1
+        layer.update(torch.ones(2, 1, 1, 8), torch.ones(2, 1, 1, 8))
+    assert (e.value.requested, e.value.free) == (2, 1)
+    assert [c.seq_len for c in layer.seqs] == [4, 4]
+    assert pool.free_blocks == 1
+
+
+def test_update_with_mismatched_key_and_value_batches_names_the_mismatch():
+    pool = KvBlockPool(4, 8, 1, 8)
+    cache = _one_layer_cache(pool, 2, 4)
+    layer = cache.layers[0]
+    before = pool.stats()
+    with pytest.raises(ValueError, match=r"key_states \(2, 1, 1, 8\) and value_states \(1, 1, 1, 8\)"):
+        layer.update(torch.ones(2, 1, 1, 8), torch.ones(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="this cache holds 1 heads of 8"):
+        layer.update(torch.ones(2, 2, 1, 8), torch.ones(2, 2, 1, 8))
+    assert [c.seq_len for c in layer.seqs] == [0, 0] and pool.stats() == before
+
+
+def test_a_batch_that_grows_in_update_shrinks_back_when_the_write_is_refused():
+    pool = KvBlockPool(4, 3, 1, 8)
+    cache = _one_layer_cache(pool, 1, 8)           # 2 blocks reserved, 1 free
+    layer = cache.layers[0]
+    with pytest.raises(KvPoolExhausted):
+        layer.update(torch.ones(3, 1, 2, 8), torch.ones(3, 1, 2, 8))
+    assert cache.batch_size == 1 and layer.seqs[0].seq_len == 0 and pool.free_blocks == 1
+
+
+def test_reorder_cache_moves_every_layer_at_once_and_shares_blocks(model):
+    layers = model.config.num_hidden_layers
+    pool = _pool_for(model, 64, block_size=4)
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=12, batch_size=3)
+    _, h, d = kv_geometry(model.config)
+    for li, layer in enumerate(cache.layers):
+        k = torch.arange(3 * h * 6 * d, dtype=torch.float32).reshape(3, h, 6, d) + li
+        layer.update(k, -k)
+    before = {li: [c.k.copy() for c in layer.seqs] for li, layer in enumerate(cache.layers)}
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    for li, layer in enumerate(cache.layers):
+        for b, src in enumerate([2, 2, 0]):
+            assert torch.equal(torch.from_numpy(layer.seqs[b].k), torch.from_numpy(before[li][src]))
+        t = [c.block_table.tolist() for c in layer.seqs]
+        assert t[0][0] == t[1][0]                     # the shared full block
+    # each sequence holds its 3-block plan; the full first block of source 2 is held once
+    assert cache.blocks_held == 3 * layers * 3
+    assert pool.used_blocks == layers * (3 * 3 - 1)
+    cache.close()
+    assert pool.free_blocks == 64
+    with pytest.raises(ValueError, match="FerroxCache is closed"):
+        cache.reorder_cache(torch.tensor([0, 1, 2]))
