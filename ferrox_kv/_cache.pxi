@@ -126,6 +126,7 @@ cdef void _gather_rows(Cache* c, Py_ssize_t n, float* k_out, float* v_out) noexc
 cdef void cache_detach(Cache* c) noexcept nogil:
     """Give every block back and drop the pool reference (pooled caches)."""
     if c.pool != NULL:
+        _pool_unlink(c.pool, c)
         pool_drop(c.pool, c.table, c.n_blocks)
         pool_decref(c.pool)
         c.pool = NULL
@@ -291,6 +292,7 @@ K and V rows of one sequence in one layer.
         reservation), or contiguous with this cache's plan."""
         cdef list out = []
         cdef KvCache c
+        cdef Cache* cc
         cdef Py_ssize_t i
         _enter(self)
         try:
@@ -300,6 +302,8 @@ K and V rows of one sequence in one layer.
                 if self.c.pool != NULL:
                     pool_incref(self.c.pool)
                     c.c.pool = self.c.pool
+                    cc = &c.c
+                    pool_link(self.c.pool, &cc, 1)
                 elif self.c.plan >= 0:
                     c._set_rows(_rows_new(self.c.plan, c.c.kw, c.c.vw))
                     c.c.plan = self.c.plan
@@ -685,6 +689,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     cdef Py_ssize_t per = _blocks_for(max_len, p.block_size), i
     cdef list out = []
     cdef KvCache c
+    cdef Cache* cc
     cdef int32_t* ids
     cdef BlockReq r
     if per < 1:
@@ -713,5 +718,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         c.c.pool = p
         c.c.n_blocks = per
         c.c.cap = per * p.block_size
+        cc = &c.c
+        pool_link(p, &cc, 1)
     free(ids)
     return out

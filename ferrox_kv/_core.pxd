@@ -95,6 +95,7 @@ ctypedef struct Pool:
     uint64_t released
     uint64_t refused
     Prefix* prefix            # NULL unless prefix_cache=True
+    void* caches              # Cache*: every cache holding its blocks (for check())
     Pool* reg_prev            # registry of live pools, in address order
     Pool* reg_next
 
@@ -137,6 +138,8 @@ ctypedef struct Cache:
     Py_ssize_t plan           # with_capacity plan, -1 when none
     int busy                  # claimed by a method call
     int state                 # STATE_*
+    void* pool_prev           # Cache*: the pool's list of its caches
+    void* pool_next
 
 
 cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
@@ -153,6 +156,8 @@ cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
 cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
                   float* k_out, float* v_out) noexcept nogil
 cdef void cache_detach(Cache* c) noexcept nogil
+cdef void pool_link(Pool* p, Cache** cs, Py_ssize_t n) noexcept nogil
+cdef int pool_check(Pool* p, Py_ssize_t* where) noexcept nogil
 
 
 @cython.final

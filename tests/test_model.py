@@ -218,6 +218,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def everything_matches(self):
+        self.pool.check()
         assert self.pool.free_blocks == self.free
         assert sum(m.blocks for _, m in self.live if m.pooled) == TOTAL - self.free
         for c, m in self.live:
