@@ -9,9 +9,13 @@ from ferrox_kv._core import (
     KvBlockPool,
     KvCache,
     KvPoolExhausted,
+    attend_gil_release_threshold,
+    attend_many,
     gil_release_threshold,
     push_layers,
+    set_attend_gil_release_threshold,
     set_gil_release_threshold,
+    simd_path,
 )
 
 __version__ = "0.1.0"
@@ -20,8 +24,12 @@ __all__ = [
     "KvBlockPool",
     "KvCache",
     "KvPoolExhausted",
+    "attend_gil_release_threshold",
+    "attend_many",
     "gil_release_threshold",
     "push_layers",
+    "set_attend_gil_release_threshold",
     "set_gil_release_threshold",
+    "simd_path",
     "__version__",
 ]

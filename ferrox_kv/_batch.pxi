@@ -9,7 +9,8 @@
 # released, and the claims keep any other call off them.
 
 cdef Cache** _claim_all(tuple cl, str what) except NULL:
-    """Claim every cache of ``cl`` for one call. ``TypeError`` for an item
+    """Claim every cache of ``cl`` for one call (``what`` empty: ``cl`` is the
+    one cache a method was called on). ``TypeError`` for an item
     that is not a KvCache, ``ValueError`` for a cache named twice, closed or
     never initialised, ``RuntimeError`` when another thread is in a call on
     one. Returns their C structs; give them back with ``_release_all``."""
@@ -19,6 +20,15 @@ cdef Cache** _claim_all(tuple cl, str what) except NULL:
     for j in range(n):
         if not isinstance(cl[j], KvCache):
             raise TypeError(f"{what}[{j}] is {type(cl[j]).__name__}, not KvCache")
+    if not what:                       # a method of one cache: its own messages
+        x = <KvCache>cl[0]
+        _enter(x)
+        cs = <Cache**>malloc(sizeof(Cache*))
+        if cs == NULL:
+            _leave(x)
+            raise MemoryError()
+        cs[0] = &x.c
+        return cs
     cs = <Cache**>malloc(<size_t>(n if n > 0 else 1) * sizeof(Cache*))
     if cs == NULL:
         raise MemoryError()

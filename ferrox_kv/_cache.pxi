@@ -511,6 +511,32 @@ K and V rows of one sequence in one layer.
         finally:
             _leave(self)
 
+    # -- attention ------------------------------------------------------------
+
+    def attend(self, q, *, scale=None, window=None, out=None, start=None):
+        """Causal attention of the cache's last positions, read in place.
+
+        ``q`` is ``(n_heads, head_dim)`` for one position (returns
+        ``(n_heads, v_head_dim)``) or ``(q_len, n_heads, head_dim)`` (returns
+        ``(q_len, n_heads, v_head_dim)``), float32. The queries are the
+        cache's last q_len positions (push or extend their K/V first, as a
+        model does): query t sits at position p = seq_len - q_len + t and
+        sees positions 0..p, or with ``window=w`` only p-w+1..p
+        (transformers' sliding window), and never a position before
+        ``start`` (left padding). Grouped-query heads: ``n_heads`` is a
+        multiple of ``n_kv_heads`` and query head j reads KV head
+        ``j // (n_heads // n_kv_heads)``. ``scale`` defaults to
+        ``1/sqrt(head_dim)``; ``out`` takes a preallocated float32 array.
+
+        The kernel reads the contiguous buffer, or the pool's blocks through
+        the block table, in one pass with an online softmax: no gather,
+        nothing of context size allocated, the GIL released for the call
+        when the context is large enough to pay for it. Bad shapes, an empty
+        cache, q_len beyond seq_len, ``window < 1``, a wrong ``out``:
+        ``ValueError``, nothing changed.
+        """
+        return _attend_call((self,), q, scale, window, out, start, False)
+
     # -- shrinking and detaching --------------------------------------------
 
     def truncate(self, new_seq_len):

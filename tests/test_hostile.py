@@ -135,6 +135,8 @@ def _every_operation(c):
         "allocated_bytes": c.allocated_bytes,
         "is_within_planned_capacity": c.is_within_planned_capacity,
         "push_layers": lambda: push_layers([c], one[None], one[None]),
+        "attend": lambda: c.attend(np.ones((H, D), np.float32)),
+        "attend_many": lambda: ferrox_kv.attend_many([c], np.ones((1, 1, H, D), np.float32)),
         "with": lambda: c.__enter__(),
     }
 

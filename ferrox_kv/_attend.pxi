@@ -1,0 +1,235 @@
+# Attention read in place: KvCache.attend and attend_many over the caches'
+# own rows (a contiguous buffer, or the pool's blocks through the block
+# table), with the kernel of _attn.h. No gather, nothing of context size is
+# allocated, the GIL is released for the whole call when the context pays.
+
+cdef extern from "_attn.h" nogil:
+    ctypedef struct fx_kv:
+        const float* k
+        const float* v
+        const int32_t* table
+        Py_ssize_t block_size
+        size_t k_block
+        size_t v_block
+        size_t k_row
+        size_t v_row
+        Py_ssize_t len
+    ctypedef struct fx_attn_args:
+        int n_kv_heads
+        int head_dim
+        int v_head_dim
+        int n_heads
+        Py_ssize_t q_len
+        float scale
+        Py_ssize_t window
+        Py_ssize_t start
+    size_t fx_attend_scratch_floats(const fx_attn_args* a)
+    void fx_attend(const fx_kv* kv, const fx_attn_args* a, const float* q, float* out,
+                   float* scratch)
+    const char* fx_attend_simd_path()
+
+from libc.math cimport sqrt
+
+# Attention over at least this many context bytes (K and V rows read, all
+# sequences of the call together) runs without the GIL. Below it the call is
+# a few microseconds and holding the GIL is cheaper than handing it over;
+# benchmarks/attend_gil.py measures where releasing starts to pay.
+cdef Py_ssize_t _attend_release_bytes = 65536
+
+
+def attend_gil_release_threshold():
+    """Context bytes (K and V rows, all sequences of one call) at or above
+    which attention runs without the GIL."""
+    return _attend_release_bytes
+
+
+def set_attend_gil_release_threshold(Py_ssize_t nbytes):
+    """Set the context size (bytes) from which attention releases the GIL;
+    ``0`` releases it for every call. Returns the old value."""
+    global _attend_release_bytes
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    old = _attend_release_bytes
+    _attend_release_bytes = nbytes
+    return old
+
+
+def simd_path():
+    """The SIMD code path the attention kernel runs on this CPU (chosen at
+    load time: the wheel carries a baseline and an x86-64-v3 version)."""
+    return fx_attend_simd_path().decode()
+
+
+cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
+    """Where the kernel finds a cache's rows."""
+    cdef Pool* p = c.pool
+    kv.len = c.len
+    kv.k_row = <size_t>c.kw
+    kv.v_row = <size_t>c.vw
+    if p == NULL:
+        kv.k = c.k
+        kv.v = c.v
+        kv.table = NULL
+        kv.block_size = 0
+        kv.k_block = 0
+        kv.v_block = 0
+    else:
+        kv.k = p.k_arena
+        kv.v = p.v_arena
+        kv.table = c.table
+        kv.block_size = p.block_size
+        kv.k_block = p.k_block_floats
+        kv.v_block = p.v_block_floats
+
+
+cdef void _attend_each(const fx_kv* kvs, fx_attn_args* a, const Py_ssize_t* st,
+                       Py_ssize_t n, const float* q, size_t q_stride, float* out,
+                       size_t o_stride, float* scratch) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        a.start = st[i] if st != NULL else 0
+        fx_attend(&kvs[i], a, q + <size_t>i * q_stride, out + <size_t>i * o_stride, scratch)
+
+
+cdef object _attend_call(tuple cl, object q, object scale, object window, object out,
+                         object start, bint batched):
+    """attend (one cache, q (n_heads, d) or (q_len, n_heads, d)) and
+    attend_many (B caches, q (B, q_len, n_heads, d))."""
+    # 1. convert every argument (user code may run here), before any claim
+    cdef cnp.ndarray qa = _f32(q, "q")
+    cdef Py_ssize_t n = len(cl), i, b, win = 0, q_len, nh, hd, lead
+    cdef double sc = 0.0
+    cdef bint has_scale = scale is not None
+    if has_scale:
+        try:
+            sc = float(scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"scale must be a number, got {type(scale).__name__}") from None
+        if not (sc == sc) or sc in (float("inf"), float("-inf")):
+            raise ValueError(f"scale must be finite, got {sc}")
+    if window is not None:
+        win = _count(window, "window", 1)
+    starts = None
+    if start is not None:
+        starts = np.asarray(start)
+        if starts.dtype.kind not in "iu" or starts.ndim != batched:
+            raise TypeError("start must be an integer" + (" per sequence" if batched else ""))
+        starts = starts.astype(np.int64).reshape(-1)
+    cdef cnp.ndarray oa = None
+    if out is not None:
+        if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_FLOAT32
+                and cnp.PyArray_ISCARRAY(<cnp.ndarray>out)
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>out)):
+            raise ValueError("out must be a writeable C-contiguous float32 ndarray")
+        oa = <cnp.ndarray>out
+    if n == 0:
+        raise ValueError("caches is empty")
+    cdef Cache** cs = _claim_all(cl, "caches" if batched else "")
+    cdef KvCache c0 = <KvCache>cl[0]
+    cdef fx_kv* kvs = NULL
+    cdef fx_attn_args a
+    cdef float* scratch = NULL
+    cdef float* tmp = NULL
+    cdef float* qp
+    cdef float* op
+    cdef size_t q_stride, o_stride, ctx_bytes = 0
+    cdef Py_ssize_t* st = NULL
+    try:
+        # 2. validate against the claimed caches
+        _check_same_geometry(cl, "caches")
+        lead = 1 + batched            # axes before (n_heads, head_dim)
+        if cnp.PyArray_NDIM(qa) == lead + 1:
+            q_len = -1                # one position, no q_len axis
+        elif cnp.PyArray_NDIM(qa) == lead + 2:
+            q_len = qa.shape[batched]
+            if q_len < 1:
+                raise ValueError("q_len must be >= 1: q has no query positions")
+        else:
+            raise ValueError(
+                "q must be shaped " + ("(B, q_len, n_heads, head_dim)" if batched else
+                                       "(n_heads, head_dim) or (q_len, n_heads, head_dim)")
+                + f"; got {cnp.PyArray_NDIM(qa)} dimensions, shape {_shape(qa)}")
+        if batched and q_len == -1:
+            raise ValueError(f"q must be shaped (B, q_len, n_heads, head_dim); got shape {_shape(qa)}")
+        if batched and qa.shape[0] != n:
+            raise ValueError(f"q has {qa.shape[0]} sequences for {n} caches")
+        nh = qa.shape[cnp.PyArray_NDIM(qa) - 2]
+        hd = qa.shape[cnp.PyArray_NDIM(qa) - 1]
+        if hd != c0.head_dim:
+            raise ValueError(f"q has head_dim {hd}; the cache's head_dim is {c0.head_dim}")
+        if nh < 1 or nh % c0.n_kv_heads != 0:
+            raise ValueError(f"q has {nh} heads, not a multiple of the cache's "
+                             f"n_kv_heads={c0.n_kv_heads}")
+        if starts is not None and starts.shape[0] != n:
+            raise ValueError(f"start has {starts.shape[0]} entries for {n} caches")
+        for i in range(n):
+            if cs[i].len == 0:
+                raise ValueError(f"caches[{i}] is empty: push the queries' K/V first"
+                                 if batched else "the cache is empty: push the query's K/V first")
+            if max(q_len, 1) > cs[i].len:
+                raise ValueError(f"q_len {q_len} exceeds the seq_len {cs[i].len} of "
+                                 f"{'caches[%d]' % i if batched else 'the cache'}: the queries "
+                                 "are the cache's last q_len positions")
+            if starts is not None and starts[i] < 0:
+                raise ValueError(f"start must be >= 0, got {starts[i]}")
+            ctx_bytes += <size_t>cs[i].len * <size_t>(cs[i].kw + cs[i].vw) * sizeof(float)
+        shape = ((n,) if batched else ()) + ((q_len,) if q_len >= 0 else ()) + (nh, c0.v_head_dim)
+        if oa is None:
+            oa = np.empty(shape, np.float32)
+        elif tuple((<object>oa).shape) != shape:
+            raise ValueError(f"out must be shaped {shape}; got {_shape(oa)}")
+        # 3. the kernel, once per sequence
+        memset(&a, 0, sizeof(fx_attn_args))
+        a.n_kv_heads = <int>c0.n_kv_heads
+        a.head_dim = <int>c0.head_dim
+        a.v_head_dim = <int>c0.v_head_dim
+        a.n_heads = <int>nh
+        a.q_len = max(q_len, 1)
+        a.scale = <float>(sc if has_scale else 1.0 / sqrt(<double>c0.head_dim))
+        a.window = win
+        kvs = <fx_kv*>malloc(<size_t>n * sizeof(fx_kv))
+        scratch = <float*>malloc(fx_attend_scratch_floats(&a) * sizeof(float) + 64)
+        q_stride = <size_t>(a.q_len * nh * hd)
+        o_stride = <size_t>(a.q_len * nh * c0.v_head_dim)
+        if fx_overlap(cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa),
+                      cnp.PyArray_DATA(oa), <size_t>cnp.PyArray_NBYTES(oa)):
+            tmp = <float*>malloc(<size_t>cnp.PyArray_NBYTES(qa) + 4)   # out aliases q
+            if tmp != NULL:
+                memcpy(tmp, cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa))
+        if kvs == NULL or scratch == NULL or (tmp == NULL and fx_overlap(
+                cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa),
+                cnp.PyArray_DATA(oa), <size_t>cnp.PyArray_NBYTES(oa))):
+            raise MemoryError()
+        for i in range(n):
+            _kv_of(cs[i], &kvs[i])
+        qp = tmp if tmp != NULL else <float*>cnp.PyArray_DATA(qa)
+        op = <float*>cnp.PyArray_DATA(oa)
+        if starts is not None:
+            st = <Py_ssize_t*>malloc(<size_t>n * sizeof(Py_ssize_t))
+            if st == NULL:
+                raise MemoryError()
+            for i in range(n):
+                st[i] = <Py_ssize_t>min(starts[i], cs[i].len)
+        if <Py_ssize_t>ctx_bytes >= _attend_release_bytes:
+            with nogil:
+                _attend_each(kvs, &a, st, n, qp, q_stride, op, o_stride, scratch)
+        else:
+            _attend_each(kvs, &a, st, n, qp, q_stride, op, o_stride, scratch)
+    finally:
+        free(kvs)
+        free(scratch)
+        free(tmp)
+        free(st)
+        _release_all(cs, n)
+    return oa
+
+
+def attend_many(caches, q, *, scale=None, window=None, out=None, start=None):
+    """Causal attention for a batch: ``q`` shaped ``(B, q_len, n_heads,
+    head_dim)`` against ``B`` caches of one geometry, each with its own
+    length; returns ``(B, q_len, n_heads, v_head_dim)`` float32. Sequence b's
+    queries are its cache's last q_len positions, as in ``KvCache.attend``.
+    ``start`` (B integers) is each sequence's first visible position, for
+    left-padded batches: positions before it are never attended. One call,
+    one GIL release: the decode step of a batch."""
+    return _attend_call(tuple(caches), q, scale, window, out, start, True)

@@ -1,0 +1,619 @@
+/* _attn.h -- causal scaled-dot-product attention (float32, grouped-query
+ * heads) of q_len query positions against one sequence's K/V rows, read in
+ * place from a contiguous or paged cache.  Header-only, every symbol static:
+ * #include it into exactly the translation unit that calls it.
+ *
+ * Rules the code follows
+ *   - One pass over the visible rows with an online softmax (running max m,
+ *     running sum l, output rescaled once per chunk when m grows).  Scores
+ *     are kept in base 2: q is pre-multiplied by scale*log2(e), so
+ *     p = 2^(s - m).  Every exponent argument is <= 0 (the max is subtracted
+ *     first), so scores of any magnitude cannot overflow or give NaN.
+ *   - The context is walked in chunks of FX_ATTN_CHUNK rows described by
+ *     per-row pointers (so contiguous and paged caches share one path, and a
+ *     chunk may straddle blocks).  Per chunk and kv head: scores for a tile
+ *     of <= 4 query vectors (all query heads of the group and, for q_len > 1,
+ *     several positions), chunk max, one rescale, then p.V.  Each K/V row
+ *     slice is loaded once per tile, not once per query head.
+ *   - The output buffer is the accumulator (zeroed, rescaled, finally divided
+ *     by l), so nothing of context size is allocated.  Scratch holds the
+ *     scaled queries, m, l and one tile of scores: see
+ *     fx_attend_scratch_floats().  No allocation, no libc calls besides
+ *     memset/memcpy: safe to call without the GIL.
+ *   - SIMD through 8-lane vector helpers (GCC/clang vector extensions,
+ *     portable: SSE2 baseline, AVX on x86-64-v3, NEON elsewhere; a plain C
+ *     struct fallback for other compilers).  On x86-64 glibc with gcc >= 11
+ *     fx_attend() alone carries target_clones("arch=x86-64-v3","default"):
+ *     the helpers are always_inline, so each clone gets its own copy of the
+ *     whole loop nest.  Do not put target attributes on the helpers (that
+ *     stops them inlining).
+ *   - The result depends on floating-point contraction: GNU C's default
+ *     -ffp-contract=fast turns a*b+c into FMA in the v3 clone.  Do not build
+ *     with -ffast-math (not needed, not tested).
+ */
+#ifndef FX_ATTN_H
+#define FX_ATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef FX_ATTN_LIBM_EXP
+#include <math.h>
+#endif
+
+/* ---- tuning knobs (compile-time) ------------------------------------- */
+#ifndef FX_ATTN_CHUNK          /* rows per chunk; multiple of 8, <= 256 */
+#define FX_ATTN_CHUNK 48
+#endif
+#ifndef FX_ATTN_QBLOCK         /* query vectors (positions x heads) per pass */
+#define FX_ATTN_QBLOCK 64
+#endif
+#ifndef FX_ATTN_PREFETCH       /* software prefetch (locality 1..3), 0: none */
+#define FX_ATTN_PREFETCH 0
+#endif
+#ifndef FX_ATTN_RGA
+#define FX_ATTN_RGA 24
+#endif
+#ifndef FX_ATTN_RGC
+#define FX_ATTN_RGC 8
+#endif
+#if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
+#error "FX_ATTN_CHUNK must be a multiple of 8 in [8, 256]"
+#endif
+
+/* ---- public types ----------------------------------------------------- */
+/* Where one sequence's K/V rows are. Row r (0 <= r < len):
+   contiguous (table == NULL): K row at k + r*k_row, V row at v + r*v_row
+   paged: K row at k + (size_t)table[r / block_size] * k_block + (r % block_size) * k_row
+          (V likewise with v_block, v_row)
+   A K row is n_kv_heads * head_dim floats (kv head g at offset g*head_dim);
+   a V row is n_kv_heads * v_head_dim floats.  */
+typedef struct {
+    const float *k, *v;
+    const int32_t *table;     /* NULL: contiguous */
+    ptrdiff_t block_size;     /* rows per block (paged only) */
+    size_t k_block, v_block;  /* floats per block (paged only) */
+    size_t k_row, v_row;      /* floats per row */
+    ptrdiff_t len;            /* rows stored */
+} fx_kv;
+
+typedef struct {
+    int n_kv_heads, head_dim, v_head_dim;
+    int n_heads;              /* multiple of n_kv_heads; query head j reads kv head j / (n_heads/n_kv_heads) */
+    ptrdiff_t q_len;          /* 1 <= q_len <= len */
+    float scale;
+    ptrdiff_t window;         /* 0: none; else query at position p sees rows p-window+1 .. p */
+    ptrdiff_t start;          /* first visible row (left padding); 0 normally */
+} fx_attn_args;
+
+/* ---- compiler plumbing ------------------------------------------------ */
+#if defined(__GNUC__) || defined(__clang__)
+#define FX_INLINE static inline __attribute__((always_inline))
+#define FX_UNUSED __attribute__((unused))
+#elif defined(_MSC_VER)
+#define FX_INLINE static __forceinline
+#define FX_UNUSED
+#else
+#define FX_INLINE static inline
+#define FX_UNUSED
+#endif
+
+/* target_clones needs ifunc (glibc) and gcc >= 11 for the arch=x86-64-vN names. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 \
+    && defined(__GLIBC__) && !defined(FX_ATTN_NO_CLONES)
+#define FX_ATTN_CLONES 1
+#define FX_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FX_ATTN_CLONES 0
+#define FX_CLONES
+#endif
+
+#define FX_NEG_INF (-__builtin_inff())
+#if !(defined(__GNUC__) || defined(__clang__))
+#undef FX_NEG_INF
+#define FX_NEG_INF (-(float)(1e300 * 1e300))
+#endif
+
+/* ---- 8-lane float vector helpers --------------------------------------
+ * Only these helpers know the representation; the kernel uses nothing else.
+ * GNU backend: vector extensions, written as macros (GNU statement
+ * expressions) so that no function takes or returns a 32-byte vector: such
+ * a function has a different ABI with and without AVX (gcc -Wpsabi), which
+ * matters here because the two clones share the helpers. */
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(FX_ATTN_NO_VECEXT)
+#define FX_VECEXT 1
+typedef float fxa_v8 __attribute__((vector_size(32)));
+typedef float fxa_v4 __attribute__((vector_size(16)));
+typedef int32_t fxa_v8i __attribute__((vector_size(32)));
+typedef float fxa_v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t fxa_v4i __attribute__((vector_size(16)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define FX_SHUF4(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#define FX_SHUF8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define FX_SHUF4(a, b, i, j, k, l) __builtin_shuffle(a, b, (fxa_v4i){i, j, k, l})
+#define FX_SHUF8(a, b, ...) __builtin_shuffle(a, b, (fxa_v8i){__VA_ARGS__})
+#endif
+
+#define fxa_load(p) (*(const fxa_v8u *)(p))
+#define fxa_store(p, v) ((void)(*(fxa_v8u *)(p) = (v)))
+#define fxa_splat(x) __extension__({ const float x_ = (x); (fxa_v8){x_, x_, x_, x_, x_, x_, x_, x_}; })
+#define fxa_add(a, b) ((a) + (b))
+#define fxa_sub(a, b) ((a) - (b))
+#define fxa_mul(a, b) ((a) * (b))
+#define fxa_fma(a, b, c) ((a) * (b) + (c)) /* contracted to FMA where the target has it */
+#define fxa_max(a, b) __extension__({                                   \
+    const fxa_v8 a_ = (a), b_ = (b);                                     \
+    const fxa_v8i lt_ = a_ < b_;                                         \
+    (fxa_v8)(((fxa_v8i)a_ & ~lt_) | ((fxa_v8i)b_ & lt_)); })
+/* v where base <= base+lane < hi and base+lane >= lo, else -inf */
+#define fxa_mask_range(v, base, lo, hi) __extension__({                                        \
+    const fxa_v8 i_ = fxa_splat((float)(base)) + (fxa_v8){0, 1, 2, 3, 4, 5, 6, 7};               \
+    const fxa_v8i k_ = (i_ >= fxa_splat((float)(lo))) & (i_ < fxa_splat((float)(hi)));          \
+    (fxa_v8)(((fxa_v8i)(v) & k_) | ((fxa_v8i)fxa_splat(FX_NEG_INF) & ~k_)); })
+/* 4-lane vector: low half + high half */
+#define fxa_fold(v) __extension__({                                     \
+    const fxa_v8 v_ = (v);                                               \
+    fxa_v4 lo_, hi_;                                                     \
+    memcpy(&lo_, &v_, sizeof lo_);                                      \
+    memcpy(&hi_, (const char *)&v_ + sizeof lo_, sizeof hi_);           \
+    lo_ + hi_; })
+#define fxa_hsum(v) __extension__({                                     \
+    fxa_v4 s_ = fxa_fold(v);                                              \
+    s_ += FX_SHUF4(s_, s_, 2, 3, 0, 1);                                 \
+    s_ += FX_SHUF4(s_, s_, 1, 0, 3, 2);                                 \
+    s_[0]; })
+#define fxa_max4(a, b) __extension__({                                 \
+    const fxa_v4 a4_ = (a), b4_ = (b);                                   \
+    const fxa_v4i lt4_ = a4_ < b4_;                                      \
+    (fxa_v4)(((fxa_v4i)a4_ & ~lt4_) | ((fxa_v4i)b4_ & lt4_)); })
+#define fxa_hmax(v) __extension__({                                     \
+    const fxa_v8 h_ = (v);                                               \
+    fxa_v4 lo_, hi_, x_;                                                 \
+    memcpy(&lo_, &h_, sizeof lo_);                                      \
+    memcpy(&hi_, (const char *)&h_ + sizeof lo_, sizeof hi_);           \
+    x_ = fxa_max4(lo_, hi_);                                             \
+    x_ = fxa_max4(x_, FX_SHUF4(x_, x_, 2, 3, 0, 1));                     \
+    x_ = fxa_max4(x_, FX_SHUF4(x_, x_, 1, 0, 3, 2));                     \
+    x_[0]; })
+/* out[i] = sum of the lanes of a[i], i < 8: three rounds of pairwise adds
+   within 128-bit halves (hadd pattern), then the halves; 21 instructions on
+   AVX, and the SSE2 lowering stays in registers. */
+#define FX_HADD8(a, b) (FX_SHUF8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + FX_SHUF8(a, b, 1, 3, 9, 11, 5, 7, 13, 15))
+FX_INLINE void fxa_hsum8x8(const fxa_v8 *a, float *out)
+{
+    const fxa_v8 u = FX_HADD8(FX_HADD8(a[0], a[1]), FX_HADD8(a[2], a[3]));
+    const fxa_v8 w = FX_HADD8(FX_HADD8(a[4], a[5]), FX_HADD8(a[6], a[7]));
+    fxa_store(out, FX_SHUF8(u, w, 0, 1, 2, 3, 8, 9, 10, 11) + FX_SHUF8(u, w, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+/* out[i] = sum of the lanes of a[i], i < 4 */
+FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
+{
+    const fxa_v4 s = fxa_fold(FX_HADD8(FX_HADD8(a[0], a[1]), FX_HADD8(a[2], a[3])));
+    memcpy(out, &s, sizeof s);
+}
+/* 2^y for y <= 0 (relative error < 1e-7).  y < -125 (and -inf, NaN) gives
+   exactly 0, so no result is denormal.  y = n + f, n = round(y); 2^f =
+   e^(f ln2) by the Cephes expf polynomial on |f ln2| <= ln2/2; 2^n is built
+   in the exponent field.  Same steps as the scalar fxa_exp2f below. */
+#define fxa_exp2(y) __extension__({                                                    \
+    const fxa_v8 y_ = (y);                                                              \
+    const fxa_v8i keep_ = y_ >= -125.0f;                                                \
+    const fxa_v8 yc_ = (fxa_v8)((fxa_v8i)y_ & keep_); /* dropped lanes: 0, harmless */         \
+    const fxa_v8i n_ = __builtin_convertvector(yc_ - 0.5f, fxa_v8i); /* = round(yc_) */   \
+    const fxa_v8 g_ = (yc_ - __builtin_convertvector(n_, fxa_v8)) * 0.693147180559945f;   \
+    fxa_v8 p_ = g_ * 1.9875691500e-4f + 1.3981999507e-3f;                               \
+    p_ = p_ * g_ + 8.3334519073e-3f;                                                   \
+    p_ = p_ * g_ + 4.1665795894e-2f;                                                   \
+    p_ = p_ * g_ + 1.6666665459e-1f;                                                   \
+    p_ = p_ * g_ + 5.0000001201e-1f;                                                   \
+    p_ = (g_ * g_) * p_ + g_ + 1.0f;                                                   \
+    (fxa_v8)((fxa_v8i)(p_ * (fxa_v8)((n_ + 127) << 23)) & keep_); })
+
+#else /* plain C fallback: same interface, element loops */
+typedef struct { float x[8]; } fxa_v8;
+FX_INLINE fxa_v8 fxa_load(const float *p) { fxa_v8 v; memcpy(v.x, p, sizeof v.x); return v; }
+FX_INLINE void fxa_store(float *p, fxa_v8 v) { memcpy(p, v.x, sizeof v.x); }
+FX_INLINE fxa_v8 fxa_splat(float x) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = x; return v; }
+FX_INLINE fxa_v8 fxa_add(fxa_v8 a, fxa_v8 b) { int i; for (i = 0; i < 8; i++) a.x[i] += b.x[i]; return a; }
+FX_INLINE fxa_v8 fxa_sub(fxa_v8 a, fxa_v8 b) { int i; for (i = 0; i < 8; i++) a.x[i] -= b.x[i]; return a; }
+FX_INLINE fxa_v8 fxa_mul(fxa_v8 a, fxa_v8 b) { int i; for (i = 0; i < 8; i++) a.x[i] *= b.x[i]; return a; }
+FX_INLINE fxa_v8 fxa_fma(fxa_v8 a, fxa_v8 b, fxa_v8 c) { int i; for (i = 0; i < 8; i++) c.x[i] += a.x[i] * b.x[i]; return c; }
+FX_INLINE fxa_v8 fxa_max(fxa_v8 a, fxa_v8 b) { int i; for (i = 0; i < 8; i++) a.x[i] = a.x[i] < b.x[i] ? b.x[i] : a.x[i]; return a; }
+FX_INLINE fxa_v8 fxa_mask_range(fxa_v8 v, int base, int lo, int hi) { int i; for (i = 0; i < 8; i++) if (base + i < lo || base + i >= hi) v.x[i] = FX_NEG_INF; return v; }
+FX_INLINE float fxa_hsum(fxa_v8 v) { return ((v.x[0] + v.x[4]) + (v.x[2] + v.x[6])) + ((v.x[1] + v.x[5]) + (v.x[3] + v.x[7])); }
+FX_INLINE float fxa_hmax(fxa_v8 v) { float m = v.x[0]; int i; for (i = 1; i < 8; i++) m = v.x[i] > m ? v.x[i] : m; return m; }
+FX_INLINE void fxa_hsum8x8(const fxa_v8 *a, float *out) { int i; for (i = 0; i < 8; i++) out[i] = fxa_hsum(a[i]); }
+FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out) { int i; for (i = 0; i < 4; i++) out[i] = fxa_hsum(a[i]); }
+static float fxa_exp2f(float y);
+FX_INLINE fxa_v8 fxa_exp2(fxa_v8 y) { int i; for (i = 0; i < 8; i++) y.x[i] = fxa_exp2f(y.x[i]); return y; }
+#endif
+
+/* Scalar 2^y, same method and range rules as fxa_exp2. */
+static inline FX_UNUSED float fxa_exp2f(float y)
+{
+    float g, p, s;
+    int32_t n, e;
+    if (!(y >= -125.0f)) return 0.0f;
+    n = (int32_t)(y - 0.5f);
+    g = (y - (float)n) * 0.693147180559945f;
+    p = g * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * g + 8.3334519073e-3f;
+    p = p * g + 4.1665795894e-2f;
+    p = p * g + 1.6666665459e-1f;
+    p = p * g + 5.0000001201e-1f;
+    p = (g * g) * p + g + 1.0f;
+    e = (n + 127) << 23;
+    memcpy(&s, &e, sizeof s);
+    return p * s;
+}
+
+/* ---- kernel pieces ---------------------------------------------------- */
+#define FX_C FX_ATTN_CHUNK
+#define FX_CS (FX_C + 16) /* stride of a score row: a chunk plus the overhang of a last row group */
+#define FX_LOG2E 1.4426950408889634f
+
+/* Row pointers of one chunk; entries past the chunk's last row repeat it,
+   so whole groups of (up to 12) rows can be read without leaving the cache. */
+#define FX_CP (FX_C + 12)
+typedef struct {
+    const float *k[FX_CP], *v[FX_CP];
+} fxa_rows;
+
+FX_INLINE void fxa_chunk_rows(const fx_kv *kv, ptrdiff_t c0, int n, fxa_rows *c)
+{
+    int i;
+    if (!kv->table) {
+        for (i = 0; i < n; i++) {
+            c->k[i] = kv->k + (size_t)(c0 + i) * kv->k_row;
+            c->v[i] = kv->v + (size_t)(c0 + i) * kv->v_row;
+        }
+    } else {
+        ptrdiff_t b = c0 / kv->block_size, o = c0 % kv->block_size;
+        for (i = 0; i < n; i++) {
+            const size_t blk = (size_t)kv->table[b];
+            c->k[i] = kv->k + blk * kv->k_block + (size_t)o * kv->k_row;
+            c->v[i] = kv->v + blk * kv->v_block + (size_t)o * kv->v_row;
+            if (++o == kv->block_size) { o = 0; b++; }
+        }
+    }
+    for (i = n; i < FX_CP; i++) {
+        c->k[i] = c->k[n - 1];
+        c->v[i] = c->v[n - 1];
+    }
+}
+
+/* Prefetch rows [r0, r1) of a chunk (floats [0, len) of each row) toward L2. */
+FX_INLINE void fxa_prefetch_rows(const float *const *rows, int r0, int r1, size_t len)
+{
+#if FX_ATTN_PREFETCH && (defined(__GNUC__) || defined(__clang__))
+    int r;
+    size_t b;
+    for (r = r0; r < r1; r++)
+        for (b = 0; b < len * sizeof(float); b += 64) __builtin_prefetch((const char *)rows[r] + b, 0, FX_ATTN_PREFETCH);
+#else
+    (void)rows; (void)r0; (void)r1; (void)len;
+#endif
+}
+
+/* s[t*FX_CS + r] = q_t . k_r for a T x R tile (T*R == 12); q_t = q + t*hd,
+   k_r = k[r] + koff.  12 independent accumulators (8 would leave the FMA
+   latency exposed); each K vector is loaded once for the T queries. */
+FX_INLINE void fxa_qk_tile(const int T, const int R, const float *q, int hd, const float *const *k, size_t koff,
+                          float *s)
+{
+    fxa_v8 acc[12], kr[12];
+    float sum[12];
+    int t, r, d = 0;
+    for (t = 0; t < 12; t++) acc[t] = fxa_splat(0.0f);
+    for (; d + 8 <= hd; d += 8) {
+        for (r = 0; r < R; r++) kr[r] = fxa_load(k[r] + koff + d);
+        for (t = 0; t < T; t++) {
+            const fxa_v8 qv = fxa_load(q + (size_t)t * hd + d);
+            for (r = 0; r < R; r++) acc[t * R + r] = fxa_fma(qv, kr[r], acc[t * R + r]);
+        }
+    }
+    fxa_hsum8x8(acc, sum);
+    fxa_hsum4x8(acc + 8, sum + 8);
+    for (; d < hd; d++)
+        for (t = 0; t < T; t++)
+            for (r = 0; r < R; r++) sum[t * R + r] += q[(size_t)t * hd + d] * k[r][koff + d];
+    for (t = 0; t < T; t++)
+        for (r = 0; r < R; r++) s[t * FX_CS + r] = sum[t * R + r];
+}
+
+/* Columns d .. d+8S of o_t (o_t = o + t*dv):
+   o_t = (rescale ? o_t * alpha_t : o_t) + sum_{r0 <= r < r1} p[t*FX_CS + r] * v_r,
+   v_r = v[r] + voff.  The T*S <= 12 accumulators stay in registers over the rows. */
+FX_INLINE void fxa_pv_strip(const int T, const int S, float *o, int dv, const float *alpha, int rescale,
+                           const float *p, const float *const *v, size_t voff, int r0, int r1, int d)
+{
+    fxa_v8 acc[12], vr[12];
+    int t, s, r;
+    for (t = 0; t < T; t++)
+        for (s = 0; s < S; s++) {
+            acc[t * S + s] = fxa_load(o + (size_t)t * dv + d + 8 * s);
+            if (rescale) acc[t * S + s] = fxa_mul(acc[t * S + s], fxa_splat(alpha[t]));
+        }
+    for (r = r0; r < r1; r++) {
+        for (s = 0; s < S; s++) vr[s] = fxa_load(v[r] + voff + d + 8 * s);
+        for (t = 0; t < T; t++) {
+            const fxa_v8 pt = fxa_splat(p[t * FX_CS + r]);
+            for (s = 0; s < S; s++) acc[t * S + s] = fxa_fma(pt, vr[s], acc[t * S + s]);
+        }
+    }
+    for (t = 0; t < T; t++)
+        for (s = 0; s < S; s++) fxa_store(o + (size_t)t * dv + d + 8 * s, acc[t * S + s]);
+}
+
+FX_INLINE void fxa_pv_tile(const int T, float *o, int dv, const float *alpha, int rescale, const float *p,
+                          const float *const *v, size_t voff, int r0, int r1)
+{
+    const int S = 12 / T; /* 12 accumulators per strip */
+    int d = 0, t, r;
+    for (; d + 8 * S <= dv; d += 8 * S) fxa_pv_strip(T, S, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
+    for (; d + 16 <= dv; d += 16) fxa_pv_strip(T, 2, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
+    for (; d + 8 <= dv; d += 8) fxa_pv_strip(T, 1, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
+    for (; d < dv; d++)
+        for (t = 0; t < T; t++) {
+            float x = o[(size_t)t * dv + d] * (rescale ? alpha[t] : 1.0f);
+            for (r = r0; r < r1; r++) x += p[t * FX_CS + r] * v[r][voff + d];
+            o[(size_t)t * dv + d] = x;
+        }
+}
+
+/* Online-softmax step of one query vector over one chunk.  s: its scores
+   (base 2) for the chunk's rows, of which only [a, b) are visible (and only
+   those need be valid).  Leaves p = 2^(s - m_new) on [a, b) and 0 elsewhere
+   on [0, n8), sets *alpha = 2^(m_old - m_new) (1 if the max did not grow or
+   nothing is visible, 0 on the first visible chunk) and updates m, l. */
+FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float *l, float *alpha)
+{
+    const int g0 = a & ~7, g1 = (b + 7) & ~7;
+    fxa_v8 mx = fxa_splat(FX_NEG_INF), sum = fxa_splat(0.0f);
+    float mc;
+    int r;
+    *alpha = 1.0f;
+    if (a >= b) {
+        for (r = 0; r < n8; r += 8) fxa_store(s + r, fxa_splat(0.0f));
+        return;
+    }
+    for (r = 0; r < g0; r += 8) fxa_store(s + r, fxa_splat(0.0f));
+    for (r = g1; r < n8; r += 8) fxa_store(s + r, fxa_splat(0.0f));
+    /* only the end groups can hold invisible rows: -inf there gives p = 0 */
+    fxa_store(s + g0, fxa_mask_range(fxa_load(s + g0), g0, a, b));
+    fxa_store(s + g1 - 8, fxa_mask_range(fxa_load(s + g1 - 8), g1 - 8, a, b));
+    for (r = g0; r < g1; r += 8) mx = fxa_max(mx, fxa_load(s + r));
+    mc = fxa_hmax(mx);
+    if (mc > *m) {
+#ifdef FX_ATTN_LIBM_EXP
+        *alpha = expf((*m - mc) * 0.693147180559945f);
+#else
+        *alpha = fxa_exp2f(*m - mc); /* m = -inf before the first visible row: 0 */
+#endif
+        *m = mc;
+    }
+    mc = *m;
+#ifdef FX_ATTN_LIBM_EXP
+    for (r = g0; r < g1; r++) s[r] = expf((s[r] - mc) * 0.693147180559945f);
+    for (r = g0; r < g1; r += 8) sum = fxa_add(sum, fxa_load(s + r));
+#else
+    for (r = g0; r < g1; r += 8) {
+        const fxa_v8 pr = fxa_exp2(fxa_sub(fxa_load(s + r), fxa_splat(mc)));
+        fxa_store(s + r, pr);
+        sum = fxa_add(sum, pr);
+    }
+#endif
+    *l = *l * *alpha + fxa_hsum(sum);
+}
+
+/* Query vectors of one pass are numbered group-major: i = g*nvg + pos*G + jj
+   (kv head g, position pos within the pass, head jj within the group), so
+   the vectors sharing a kv head are consecutive.  Tiles are runs of 4 (then
+   2, 1) consecutive vectors of one group. */
+#define FX_TILE_T(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
+
+/* Phase A of a chunk: scores of every tile for rows [r, r1) of the chunk. */
+FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, const fxa_rows *c, int r, int r1,
+                               const float *qs, float *sc, const float *fa, const float *fb)
+{
+    const int hd = a->head_dim;
+    int g;
+    for (g = 0; g < a->n_kv_heads; g++) {
+        const size_t koff = (size_t)g * (size_t)hd;
+        ptrdiff_t i0 = g * nvg;
+        while (i0 < (g + 1) * nvg) {
+            const int T = FX_TILE_T((g + 1) * nvg - i0), R = 12 / T;
+            int t, ua = FX_C, ub = 0, rr;
+            for (t = 0; t < T; t++)
+                if (fa[i0 + t] < fb[i0 + t]) {
+                    ua = (int)fa[i0 + t] < ua ? (int)fa[i0 + t] : ua;
+                    ub = (int)fb[i0 + t] > ub ? (int)fb[i0 + t] : ub;
+                }
+            ua = ua > r ? ua : r;
+            ub = ub < r1 ? ub : r1;
+            for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
+                const float *q = qs + (size_t)i0 * hd;
+                float *s = sc + (size_t)i0 * FX_CS + rr;
+                if (T == 4) fxa_qk_tile(4, 3, q, hd, c->k + rr, koff, s);
+                else if (T == 2) fxa_qk_tile(2, 6, q, hd, c->k + rr, koff, s);
+                else fxa_qk_tile(1, 12, q, hd, c->k + rr, koff, s);
+            }
+            i0 += T;
+        }
+    }
+}
+
+/* Phase C of a chunk: acc += p.V for rows [r, r1) of the chunk, rescaling
+   each tile's accumulators by alpha in the row group holding its first row. */
+FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, const fxa_rows *c, int r, int r1, float *acc,
+                           const float *sc, const float *al, const float *fa, const float *fb)
+{
+    const int dv = a->v_head_dim;
+    int g;
+    for (g = 0; g < a->n_kv_heads; g++) {
+        const size_t voff = (size_t)g * (size_t)dv;
+        ptrdiff_t i0 = g * nvg;
+        while (i0 < (g + 1) * nvg) {
+            const int T = FX_TILE_T((g + 1) * nvg - i0);
+            int t, ua = FX_C, ub = 0, lo, hi;
+            for (t = 0; t < T; t++)
+                if (fa[i0 + t] < fb[i0 + t]) {
+                    ua = (int)fa[i0 + t] < ua ? (int)fa[i0 + t] : ua;
+                    ub = (int)fb[i0 + t] > ub ? (int)fb[i0 + t] : ub;
+                }
+            lo = ua > r ? ua : r;
+            hi = ub < r1 ? ub : r1;
+            if (lo < hi) {
+                float *o = acc + (size_t)i0 * dv;
+                const float *p = sc + (size_t)i0 * FX_CS, *alp = al + i0;
+                const int first = ua >= r; /* this row group holds the tile's first visible row */
+                if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, voff, lo, hi);
+                else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, voff, lo, hi);
+                else fxa_pv_tile(1, o, dv, alp, first, p, c->v, voff, lo, hi);
+            }
+            i0 += T;
+        }
+    }
+}
+
+/* Positions per pass: FX_ATTN_QBLOCK query vectors, at least one position. */
+static inline FX_UNUSED ptrdiff_t fxa_qblock(const fx_attn_args *a)
+{
+    ptrdiff_t qb = FX_ATTN_QBLOCK / a->n_heads;
+    if (qb < 1) qb = 1;
+    return qb < a->q_len ? qb : a->q_len;
+}
+
+/* Floats of scratch fx_attend needs, for nv = (positions per pass) * n_heads
+   query vectors: scaled queries, output accumulators, one chunk of scores,
+   m, l, alpha and the visible row range of each vector. */
+static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
+{
+    const size_t nv = (size_t)fxa_qblock(a) * (size_t)a->n_heads;
+    return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5);
+}
+
+/* q: (q_len, n_heads, head_dim); out: (q_len, n_heads, v_head_dim), both
+   C-contiguous.  Query t sits at position p = len - q_len + t and sees rows
+   max(start, window ? p-window+1 : 0) .. p; a query that sees no row gets
+   zeros.  scratch: fx_attend_scratch_floats(a) floats, any contents.
+
+   Loop nest, per pass of query positions:
+     for each chunk of FX_C rows (visible to some query of the pass):
+       A  scores   for row groups of rg rows: for kv heads: for tiles
+       B  softmax  per query vector: chunk max, alpha, p, l
+       C  p.V      for row groups of rg rows: for kv heads: for tiles
+   With few query vectors (decode) rg = 8: K and V are read row after row
+   across all heads, in memory order (the hardware prefetcher streams it
+   and rows 4 KiB apart do not fight over L1 sets).  With many (prefill)
+   rg = FX_C: each tile's queries are reused over the whole chunk. */
+FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out,
+                                          float *scratch)
+{
+    const int H = a->n_heads, Hkv = a->n_kv_heads, G = a->n_heads / a->n_kv_heads;
+    const int hd = a->head_dim, dv = a->v_head_dim;
+    const ptrdiff_t qb = fxa_qblock(a), first = kv->len - a->q_len;
+    const float qscale = a->scale * FX_LOG2E;
+    fxa_rows rowbuf[2];
+    ptrdiff_t t0;
+
+    for (t0 = 0; t0 < a->q_len; t0 += qb) {
+        const ptrdiff_t nq = a->q_len - t0 < qb ? a->q_len - t0 : qb;
+        const ptrdiff_t nvg = nq * G, nv = nvg * Hkv, p_last = first + t0 + nq - 1;
+        float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
+        float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
+        const int small = (size_t)nv * hd <= 8192;
+        const int rga = small ? FX_ATTN_RGA : FX_C, rgc = small ? FX_ATTN_RGC : FX_C;
+        ptrdiff_t lo, c0, i, pos;
+        int g, jj, d;
+
+        /* scaled queries in group-major order; empty accumulators */
+        for (g = 0, i = 0; g < Hkv; g++)
+            for (pos = 0; pos < nq; pos++)
+                for (jj = 0; jj < G; jj++, i++) {
+                    const float *src = q + ((size_t)(t0 + pos) * H + (size_t)g * G + jj) * hd;
+                    for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
+                    mm[i] = FX_NEG_INF;
+                    ll[i] = 0.0f;
+                }
+        memset(acc, 0, (size_t)nv * dv * sizeof(float));
+
+        /* rows any query of this pass sees: lo of the first position .. p_last */
+        lo = a->start;
+        if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
+        if (lo <= p_last) fxa_chunk_rows(kv, lo, (int)(p_last + 1 - lo < FX_C ? p_last + 1 - lo : FX_C), &rowbuf[0]);
+        for (c0 = lo; c0 <= p_last; c0 += FX_C) {
+            const int n = (int)(p_last + 1 - c0 < FX_C ? p_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
+            const int cur = (int)((c0 - lo) / FX_C) & 1;
+            const fxa_rows *rows = &rowbuf[cur];
+            const ptrdiff_t c1 = c0 + FX_C;
+            const int n1 = c1 <= p_last ? (int)(p_last + 1 - c1 < FX_C ? p_last + 1 - c1 : FX_C) : 0;
+            int r;
+            if (n1) fxa_chunk_rows(kv, c1, n1, &rowbuf[cur ^ 1]);
+            /* rows [fa, fb) of this chunk each vector sees */
+            for (g = 0, i = 0; g < Hkv; g++)
+                for (pos = 0; pos < nq; pos++) {
+                    const ptrdiff_t p = first + t0 + pos;
+                    ptrdiff_t vlo = a->start, x, y;
+                    if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
+                    x = vlo - c0 < 0 ? 0 : vlo - c0 > n ? n : vlo - c0;
+                    y = p + 1 - c0 < 0 ? 0 : p + 1 - c0 > n ? n : p + 1 - c0;
+                    for (jj = 0; jj < G; jj++, i++) {
+                        fa[i] = (float)x;
+                        fb[i] = (float)y;
+                    }
+                }
+            for (r = 0; r < n; r += rga) {
+                const int r1 = r + rga < n ? r + rga : n;
+                fxa_prefetch_rows(rows->v, r, r1, (size_t)Hkv * dv);
+                fxa_phase_scores(a, nvg, rows, r, r1, qs, sc, fa, fb);
+            }
+            for (i = 0; i < nv; i++)
+                fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i);
+            for (r = 0; r < n; r += rgc) {
+                const int r1 = r + rgc < n ? r + rgc : n;
+                fxa_prefetch_rows(rowbuf[cur ^ 1].k, r < n1 ? r : n1, r1 < n1 ? r1 : n1, (size_t)Hkv * hd);
+                fxa_phase_pv(a, nvg, rows, r, r1, acc, sc, al, fa, fb);
+            }
+        }
+
+        /* out = acc / l, back in (position, head) order; zeros where l == 0 */
+        for (g = 0, i = 0; g < Hkv; g++)
+            for (pos = 0; pos < nq; pos++)
+                for (jj = 0; jj < G; jj++, i++) {
+                    float *dst = out + ((size_t)(t0 + pos) * H + (size_t)g * G + jj) * dv;
+                    const float inv = ll[i] > 0.0f ? 1.0f / ll[i] : 0.0f;
+                    for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
+                }
+    }
+}
+
+/* Which code path fx_attend runs on this CPU (decided like the ifunc
+   resolver: the same libgcc x86-64-v3 feature bit). */
+static inline FX_UNUSED const char *fx_attend_simd_path(void)
+{
+#if FX_ATTN_CLONES
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3 (AVX2+FMA)";
+#if defined(__AVX2__) && defined(__FMA__)
+    return "x86-64-v3 (AVX2+FMA, compile-time)";
+#else
+    return "baseline (SSE2)";
+#endif
+#elif !defined(FX_VECEXT)
+    return "scalar (no vector extensions)";
+#elif defined(__AVX512F__)
+    return "x86-64 AVX-512 (compile-time)";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "x86-64-v3 (AVX2+FMA, compile-time)";
+#elif defined(__SSE2__)
+    return "baseline (SSE2)";
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+    return "NEON";
+#else
+    return "generic vectors";
+#endif
+}
+
+#endif /* FX_ATTN_H */

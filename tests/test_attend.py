@@ -1,0 +1,294 @@
+"""KvCache.attend and attend_many against a float64 numpy reference: grouped
+heads, head sizes, block sizes, every kind of cache, causal chunks, windows,
+left padding, large scores, bad input, and threads."""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
+from ferrox_kv import _core
+
+
+def reference(k, v, q, scale=None, window=None, start=0):
+    """k (T, h, d), v (T, h, vd), q (q_len, n_heads, d) -> (q_len, n_heads, vd),
+    float64: query t sits at position T - q_len + t."""
+    k, v, q = (np.asarray(x, np.float64) for x in (k, v, q))
+    t_all, h, d = k.shape
+    q_len, nh, _ = q.shape
+    g = nh // h
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    out = np.zeros((q_len, nh, v.shape[2]))
+    for t in range(q_len):
+        p = t_all - q_len + t
+        lo = max(start, p - window + 1 if window else 0)
+        if lo > p:
+            continue
+        for j in range(nh):
+            s = k[lo:p + 1, j // g] @ q[t, j] * scale
+            w = np.exp(s - s.max())
+            out[t, j] = (w / w.sum()) @ v[lo:p + 1, j // g]
+    return out
+
+
+def _data(t, h, d, vd, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return ((rng.standard_normal((t, h, d)) * scale).astype(np.float32),
+            rng.standard_normal((t, h, vd)).astype(np.float32))
+
+
+def _cache(kind, h, d, vd, t, block_size=16):
+    if kind == "growable":
+        return KvCache(h, d, v_head_dim=vd)
+    if kind == "capacity":
+        return KvCache.with_capacity(h, d, t, v_head_dim=vd)
+    pool = KvBlockPool(block_size, -(-t // block_size) + 4, h, d, v_head_dim=vd)
+    if kind == "pooled-shuffled":          # blocks out of order in the arena
+        hold = pool.allocate(3)
+        c = KvCache.with_pool(h, d, pool, t, v_head_dim=vd)
+        pool.free(hold)
+        return c
+    return KvCache.with_pool(h, d, pool, t, v_head_dim=vd)
+
+
+def _check(out, ref, tol=2e-5):
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * max(1.0, np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("h,nh", [(8, 8), (2, 8), (1, 8), (4, 32), (8, 32)])
+@pytest.mark.parametrize("kind", ["growable", "capacity", "pooled", "pooled-shuffled"])
+def test_decode_matches_the_reference_for_every_head_grouping(h, nh, kind):
+    d, t = 64, 70
+    k, v = _data(t, h, d, d)
+    c = _cache(kind, h, d, d, t)
+    c.extend(k, v)
+    q = np.random.default_rng(1).standard_normal((nh, d)).astype(np.float32)
+    out = c.attend(q)
+    assert out.shape == (nh, d) and out.dtype == np.float32
+    _check(out, reference(k, v, q[None])[0])
+
+
+@pytest.mark.parametrize("d,vd", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (64, 32)])
+def test_head_sizes_and_a_v_head_dim_of_its_own(d, vd):
+    k, v = _data(45, 2, d, vd, seed=d)
+    c = _cache("pooled", 2, d, vd, 45, block_size=16)
+    c.extend(k, v)
+    q = np.random.default_rng(d).standard_normal((3, 8, d)).astype(np.float32)
+    out = c.attend(q)
+    assert out.shape == (3, 8, vd)
+    _check(out, reference(k, v, q))
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32])
+@pytest.mark.parametrize("t", [1, 6, 7, 8, 33, 100])
+def test_block_sizes_with_contexts_that_cross_block_boundaries(block_size, t):
+    k, v = _data(t, 2, 16, 16, seed=t)
+    c = _cache("pooled-shuffled", 2, 16, 16, t, block_size)
+    for i in range(t):                      # pushed one by one, as in decoding
+        c.push(k[i], v[i])
+    q = np.random.default_rng(t).standard_normal((min(t, 4), 4, 16)).astype(np.float32)
+    _check(c.attend(q), reference(k, v, q))
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 5, 17, 33, 64])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+def test_causal_chunks_with_and_without_a_window(q_len, window):
+    k, v = _data(80, 2, 32, 32, seed=q_len)
+    c = _cache("pooled", 2, 32, 32, 80, block_size=7)
+    c.extend(k, v)
+    q = np.random.default_rng(q_len).standard_normal((q_len, 8, 32)).astype(np.float32)
+    _check(c.attend(q, window=window), reference(k, v, q, window=window))
+
+
+def test_after_truncate_release_copy_and_fork_attention_sees_the_rows_kept():
+    k, v = _data(50, 2, 16, 16, seed=3)
+    pool = KvBlockPool(8, 32, 2, 16)
+    c = KvCache.with_pool(2, 16, pool, 64)
+    c.extend(k, v)
+    q = np.random.default_rng(3).standard_normal((2, 4, 16)).astype(np.float32)
+    c.truncate(30)
+    _check(c.attend(q), reference(k[:30], v[:30], q))
+    f = c.fork()
+    f.extend(k[30:40] * 2, v[30:40])
+    _check(f.attend(q), reference(np.concatenate([k[:30], k[30:40] * 2]), v[:40], q))
+    _check(c.attend(q), reference(k[:30], v[:30], q))          # the parent is untouched
+    cp = c.copy()
+    _check(cp.attend(q), reference(k[:30], v[:30], q))
+    c.release_to_pool()
+    _check(c.attend(q), reference(k[:30], v[:30], q))
+
+
+def test_large_magnitude_scores_stay_finite_and_exact():
+    k, v = _data(300, 1, 64, 64, seed=5, scale=60.0)       # q.k around 1e4
+    c = _cache("pooled", 1, 64, 64, 300)
+    c.extend(k, v)
+    q = (np.random.default_rng(5).standard_normal((4, 4, 64)) * 60).astype(np.float32)
+    out = c.attend(q, scale=1.0)
+    assert np.isfinite(out).all()
+    _check(out, reference(k, v, q, scale=1.0), tol=1e-4)
+
+
+def test_scale_and_out_are_honoured_and_out_may_alias_q():
+    k, v = _data(20, 2, 8, 8, seed=6)
+    c = _cache("capacity", 2, 8, 8, 20)
+    c.extend(k, v)
+    q = np.random.default_rng(6).standard_normal((3, 4, 8)).astype(np.float32)
+    out = np.empty((3, 4, 8), np.float32)
+    got = c.attend(q, scale=0.3, out=out)
+    assert got is out
+    _check(out, reference(k, v, q, scale=0.3))
+    qq = q.copy()
+    c.attend(qq, out=qq)                                    # in place over its own input
+    _check(qq, reference(k, v, q))
+
+
+def test_attend_many_matches_attend_per_sequence_with_lengths_and_left_padding():
+    pool = KvBlockPool(4, 64, 2, 16)
+    lens, pads = [9, 23, 40], [0, 5, 17]
+    caches, datas = [], []
+    for i, n in enumerate(lens):
+        k, v = _data(n, 2, 16, 16, seed=10 + i)
+        c = KvCache.with_pool(2, 16, pool, n)
+        c.extend(k, v)
+        caches.append(c)
+        datas.append((k, v))
+    q = np.random.default_rng(7).standard_normal((3, 4, 8, 16)).astype(np.float32)
+    out = attend_many(caches, q, start=pads)
+    assert out.shape == (3, 4, 8, 16)
+    for i, (k, v) in enumerate(datas):
+        _check(out[i], reference(k, v, q[i], start=pads[i]))
+    out_w = attend_many(caches, q, window=6)
+    for i, (k, v) in enumerate(datas):
+        _check(out_w[i], reference(k, v, q[i], window=6))
+
+
+def test_a_query_that_sees_nothing_gets_zeros():
+    k, v = _data(10, 1, 8, 8)
+    c = _cache("growable", 1, 8, 8, 10)
+    c.extend(k, v)
+    q = np.ones((3, 2, 8), np.float32)
+    out = c.attend(q, start=9)                             # positions 7 and 8 see nothing
+    assert (out[:2] == 0).all()
+    _check(out, reference(k, v, q, start=9))
+
+
+def _bad_cases():
+    return [
+        ("heads_not_multiple", lambda c: c.attend(np.ones((3, 8), np.float32)), "multiple"),
+        ("head_dim", lambda c: c.attend(np.ones((4, 7), np.float32)), "head_dim"),
+        ("q_len_zero", lambda c: c.attend(np.ones((0, 4, 8), np.float32)), "q_len"),
+        ("q_len_too_long", lambda c: c.attend(np.ones((6, 4, 8), np.float32)), "exceeds"),
+        ("ndim_1", lambda c: c.attend(np.ones(8, np.float32)), "dimensions"),
+        ("ndim_4", lambda c: c.attend(np.ones((1, 1, 4, 8), np.float32)), "dimensions"),
+        ("window_zero", lambda c: c.attend(np.ones((4, 8), np.float32), window=0), "window"),
+        ("out_shape", lambda c: c.attend(np.ones((4, 8), np.float32),
+                                         out=np.empty((4, 7), np.float32)), "out"),
+        ("out_dtype", lambda c: c.attend(np.ones((4, 8), np.float32),
+                                         out=np.empty((4, 8), np.float64)), "out"),
+        ("scale_nan", lambda c: c.attend(np.ones((4, 8), np.float32), scale=float("nan")), "scale"),
+        ("start_negative", lambda c: c.attend(np.ones((4, 8), np.float32), start=-1), "start"),
+    ]
+
+
+@pytest.mark.parametrize("name,call,msg", _bad_cases(), ids=[b[0] for b in _bad_cases()])
+def test_bad_input_raises_value_error_and_changes_nothing(name, call, msg):
+    pool = KvBlockPool(2, 8, 2, 8)
+    c = KvCache.with_pool(2, 8, pool, 8)
+    k, v = _data(5, 2, 8, 8)
+    c.extend(k, v)
+    before = (c.seq_len, c.block_table.tolist(), c.k.copy(), pool.stats())
+    with pytest.raises(ValueError, match=msg):
+        call(c)
+    assert (c.seq_len, c.block_table.tolist()) == tuple(before[:2])
+    np.testing.assert_array_equal(c.k, before[2])
+    assert pool.stats() == before[3]
+
+
+def test_an_empty_cache_and_bad_batches_are_refused():
+    c = KvCache(2, 8)
+    with pytest.raises(ValueError, match="empty"):
+        c.attend(np.ones((4, 8), np.float32))
+    c.push(np.ones(16), np.ones(16))
+    with pytest.raises(ValueError, match="q has 1 sequences for 2 caches"):
+        attend_many([c, c.copy()], np.ones((1, 1, 4, 8), np.float32))
+    with pytest.raises(ValueError, match="start has 1 entries for 2 caches"):
+        attend_many([c, c.copy()], np.ones((2, 1, 4, 8), np.float32), start=[0])
+    with pytest.raises(ValueError, match="appears more than once"):
+        attend_many([c, c], np.ones((2, 1, 4, 8), np.float32))
+    with pytest.raises(ValueError, match="another geometry"):
+        attend_many([c, KvCache.with_capacity(1, 8, 1)], np.ones((2, 1, 4, 8), np.float32))
+    with pytest.raises(TypeError, match="not KvCache"):
+        attend_many([c, "x"], np.ones((2, 1, 4, 8), np.float32))
+
+
+def test_the_simd_path_is_named():
+    assert _core.simd_path() in ("x86-64-v3 (AVX2+FMA)", "baseline (SSE2)") or _core.simd_path()
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 8]),
+       d=st.sampled_from([1, 3, 8, 20, 64]), vd=st.sampled_from([1, 5, 16, 64]),
+       t=st.integers(1, 90), q_len=st.integers(1, 12), bs=st.integers(1, 20),
+       window=st.one_of(st.none(), st.integers(1, 30)), start=st.integers(0, 20),
+       pooled=st.booleans(), seed=st.integers(0, 9))
+def test_any_shape_matches_the_reference(h, group, d, vd, t, q_len, bs, window, start, pooled, seed):
+    q_len = min(q_len, t)
+    k, v = _data(t, h, d, vd, seed=seed)
+    c = _cache("pooled" if pooled else "growable", h, d, vd, t, bs)
+    c.extend(k, v)
+    q = np.random.default_rng(seed).standard_normal((q_len, h * group, d)).astype(np.float32)
+    _check(c.attend(q, window=window, start=start), reference(k, v, q, window=window, start=start))
+
+
+def test_threads_attend_while_others_push_and_close_on_the_same_pool():
+    h, d = 2, 32
+    pool = KvBlockPool(8, 512, h, d)
+    stop = threading.Event()
+    errors = []
+
+    def churn(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            while not stop.is_set():
+                try:
+                    c = KvCache.with_pool(h, d, pool, 64)
+                except KvPoolExhausted:
+                    continue
+                c.extend(rng.standard_normal((40, h * d)).astype(np.float32),
+                         rng.standard_normal((40, h * d)).astype(np.float32))
+                c.close()
+        except BaseException as e:
+            errors.append(e)
+
+    def reader(seed):
+        try:
+            k, v = _data(200, h, d, d, seed=seed)
+            c = KvCache.with_pool(h, d, pool, 256)
+            c.extend(k, v)
+            q = np.random.default_rng(seed).standard_normal((3, 8, d)).astype(np.float32)
+            ref = reference(k, v, q)
+            for _ in range(200):
+                _check(c.attend(q), ref)
+                _check(attend_many([c], q[None])[0], ref)
+            c.close()
+        except BaseException as e:
+            errors.append(e)
+
+    old = _core.set_attend_gil_release_threshold(0)        # every call without the GIL
+    try:
+        churners = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
+        readers = [threading.Thread(target=reader, args=(10 + i,)) for i in range(3)]
+        for t in churners + readers:
+            t.start()
+        for t in readers:
+            t.join()
+        stop.set()
+        for t in churners:
+            t.join()
+    finally:
+        _core.set_attend_gil_release_threshold(old)
+    assert not errors, errors[0]
+    pool.check()
+    assert pool.free_blocks == pool.total_blocks
