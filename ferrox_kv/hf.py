@@ -1,52 +1,85 @@
-"""``FerroxCache``: a Hugging Face transformers ``Cache`` backed by ferrox_kv.
+"""``FerroxCache``: a Hugging Face transformers ``Cache`` backed by ferrox_kv,
+and ``"ferrox"``: an attention implementation that reads it in place.
 
-    from ferrox_kv import KvBlockPool
+    import ferrox_kv.hf                       # registers the "ferrox" attention
     from ferrox_kv.hf import FerroxCache
 
-    cache = FerroxCache(model.config, pool=pool, max_seq_len=512)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=64)
-    cache.close()                      # or `with FerroxCache(...) as cache:`
+    model.set_attn_implementation("ferrox")   # the one line: attend in place
+    with FerroxCache(model.config, pool=pool, max_seq_len=512) as cache:
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
 
-Needs ``torch`` and ``transformers`` (``pip install ferrox_kv[hf]``); the rest
-of ferrox_kv never imports this module.
+Needs ``torch`` and ``transformers`` 5 (``pip install 'ferrox_kv[hf]'``); the
+rest of ferrox_kv never imports this module.
 
 Layout. One ferrox_kv ``KvCache`` per layer and per sequence of the batch.
 transformers hands each layer K/V shaped ``(batch, heads, T, head_dim)``; they
 are stored as float32 rows (``(T, heads, head_dim)`` per sequence).
 
+Attention. With ``attn_implementation="ferrox"`` a layer's ``update`` stores
+the new rows and hands the layer to the attention function (through the
+kwargs dict that transformers passes from ``update`` on to attention); the
+function runs ``attend_many`` over the layer's caches, reading contiguous
+buffers or the pool's blocks in place: no gather, no ``torch.cat``, no
+``repeat_kv``. Padding comes from the 2D attention mask (a mask function is
+registered under the same name, so the mask reaches the function): positions
+before a sequence's first real token are never attended. A sliding window
+(Mistral) is applied by the kernel. The function uses torch's SDPA instead,
+with an explicit mask, when the layer's cache is not a FerroxCache
+(``use_cache=False``, another cache on a shared model), for a prefill of at
+least ``SDPA_PREFILL_MIN`` positions into an empty cache (SDPA's matrix
+products are faster there), with dropout, and for a mask that is not left
+padding.
+
 Copies, said plainly:
 
 * in: the new K/V are converted to float32 on the CPU (a copy when the model
-  runs in bf16/fp16 or on another device; none for a float32 CPU model
-  decoding one token, whose rows are already laid out as ferrox stores them);
-* out, contiguous caches (no pool) with batch 1 and a float32 CPU model: the
-  K/V returned to attention are torch tensors over ferrox memory, no copy;
-* out, batch > 1: the sequences are stacked (a copy);
-* out, pooled caches: the rows are gathered from the blocks (a copy, GIL
-  released when large); a paged attention kernel would read the blocks in
-  place instead (``pool.key_blocks`` and ``KvCache.block_table``);
-* out, bf16/fp16 or GPU models: converted back to the model's dtype/device.
+  runs in bf16/fp16 or on another device);
+* attention "ferrox": only the queries (to float32) and the output (back to
+  the model's dtype and device) are copied;
+* any other attention implementation: every step hands the whole K/V to
+  attention: zero-copy views of a contiguous cache with batch 1, else
+  stacked or gathered from the blocks (a copy), converted to the model's
+  dtype and device. FerroxCache warns about it once per process.
 
-Sliding-window layers are stored whole (the attention mask still applies the
-window), so they cost full-length memory; models with non-attention layers
-(linear attention, state-space) are refused with ``ValueError``.
+Sliding-window layers are stored whole, so they cost full-length memory;
+models with non-attention layers (linear attention, state-space) are refused
+with ``ValueError``.
 
 Reservation. With a pool, the blocks for ``max_seq_len`` positions of every
 layer of ``batch_size`` sequences are taken at construction in one
 acquisition, all or none (``KvPoolExhausted``, pool untouched). A larger batch
-later (beam search expands the prompt to ``batch * num_beams`` rows) reserves
-the extra sequences the same way, or raises. Blocks go back at ``close()``,
-at the end of a ``with`` block, or when the cache is garbage-collected.
+later (beam search, ``num_return_sequences``) shares the full blocks of the
+sequence it copies and reserves the rest for each new sequence, or raises.
+Blocks go back at ``close()``, at the end of a ``with`` block, or when the
+cache is garbage-collected.
 """
 from __future__ import annotations
 
-import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+import warnings
 
-from ferrox_kv import KvBlockPool, KvCache
+try:
+    import torch
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+except ImportError as e:
+    raise ImportError(
+        "ferrox_kv.hf needs torch and transformers 5: pip install 'ferrox_kv[hf]' "
+        f"(on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
+
+from ferrox_kv import KvBlockPool, KvCache, attend_many
 from ferrox_kv._core import _assign, _extend_each
 
-__all__ = ["FerroxCache", "FerroxLayer", "kv_geometry"]
+__all__ = ["ATTENTION", "FerroxCache", "FerroxLayer", "ferrox_attention", "kv_geometry"]
+
+ATTENTION = "ferrox"          # model.set_attn_implementation(ATTENTION)
+
+# A prefill of at least this many positions into an empty cache runs torch's
+# SDPA on the incoming K/V: its matrix products beat the per-query kernel
+# there (benchmarks/NOTES.md, "Prefill: SDPA or attend").
+SDPA_PREFILL_MIN = 64
+
+_warned = False
 
 
 def kv_geometry(config):
@@ -66,6 +99,77 @@ def _order(beam_idx, n):
         raise ValueError(f"beam_idx {order} out of range for {n} sequences")
     return order
 
+
+# ---------------------------------------------------------------------------
+# The attention implementation
+# ---------------------------------------------------------------------------
+
+def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
+                  mask_function=None, attention_mask=None, **kwargs):
+    """The mask function registered for "ferrox": every layer gets the 2D
+    padding mask ``(batch, kv_length)`` (None when nothing is padded)."""
+    return attention_mask
+
+
+def _dense_mask(padding, batch, q_len, kv_len, window, device):
+    """The boolean (batch, 1, q_len, kv_len) mask SDPA needs: causal from the
+    bottom right (the queries are the last q_len positions), the window, and
+    the padding."""
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device).view(-1, 1)
+    kpos = torch.arange(kv_len, device=device).view(1, -1)
+    mask = kpos <= qpos
+    if window:
+        mask = mask & (kpos > qpos - window)
+    mask = mask.view(1, 1, q_len, kv_len).expand(batch, 1, q_len, kv_len)
+    if padding is not None:
+        mask = mask & padding[:, -kv_len:].to(device=device, dtype=torch.bool).view(batch, 1, 1, kv_len)
+    return mask
+
+
+def _left_padding(padding, kv_len):
+    """Each row's first visible position when ``padding`` (batch, kv_len) is
+    left padding (False then True), else None."""
+    if padding is None:
+        return None
+    pad = padding[:, -kv_len:].to(torch.bool)
+    first = torch.where(pad.any(-1), pad.to(torch.int8).argmax(-1),
+                        torch.full((pad.shape[0],), kv_len))
+    if not bool((pad.sum(-1) == kv_len - first).all()):
+        return None
+    return first.cpu().numpy()
+
+
+def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     sliding_window=None, ferrox_layer=None, **kwargs):
+    """Attention for ``attn_implementation="ferrox"``: reads a FerroxCache's
+    rows in place with ``attend_many``; otherwise torch's SDPA (see the
+    module docstring). query (B, H, q_len, D) -> (B, q_len, H, D)."""
+    batch, _, q_len, _ = query.shape
+    layer = ferrox_layer
+    if layer is not None and dropout == 0.0 and len(layer.seqs) == batch:
+        kv_len = layer.get_seq_length()
+        starts = _left_padding(attention_mask, kv_len)
+        fresh = key.shape[2] == kv_len == q_len           # update handed back the incoming K/V
+        if (starts is not None or attention_mask is None) and not (fresh and q_len >= SDPA_PREFILL_MIN):
+            q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+            out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling, window=sliding_window,
+                                               start=starts))
+            return out.to(device=query.device, dtype=query.dtype), None
+        if not fresh:
+            key, value = layer._gather()
+    kv_len = key.shape[2]
+    mask = _dense_mask(attention_mask, batch, q_len, kv_len, sliding_window, query.device)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, ferrox_attention)
+AttentionMaskInterface.register(ATTENTION, _padding_mask)
+
+
+# ---------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------
 
 class FerroxLayer(CacheLayerMixin):
     """One model layer: one ``KvCache`` per sequence of the batch."""
@@ -89,7 +193,7 @@ class FerroxLayer(CacheLayerMixin):
 
     # -- the hot path ---------------------------------------------------------
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states, value_states, *args, kwargs=None, **extra):
         owner = self._owner
         owner._check_open()
         if key_states.dim() != 4 or value_states.dim() != 4:
@@ -110,6 +214,7 @@ class FerroxLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         had = owner.batch_size
+        was_empty = self.get_seq_length() == 0
         if kb > had:
             owner._ensure_batch(kb)
         # (B, H, T, D) -> (B, T, H, D) float32 on the CPU; no copy for one
@@ -122,6 +227,13 @@ class FerroxLayer(CacheLayerMixin):
             if kb > had:
                 owner._shrink_batch(had)
             raise
+        if kwargs is not None and owner._reads_in_place():
+            kwargs["ferrox_layer"] = self          # reaches ferrox_attention
+            if was_empty:
+                return key_states, value_states    # the whole K/V: SDPA may prefill on it
+            empty = key_states.new_empty((kb, kh, 0, kd))
+            return empty, empty                    # attention reads the caches instead
+        owner._warn_gathering()
         return self._gather()
 
     def _gather(self):
@@ -193,8 +305,9 @@ class FerroxCache(Cache):
       given (``KvCache.with_capacity``), else growing geometrically.
 
     Pass it to ``model.generate(..., cache=cache)`` (or the deprecated
-    ``past_key_values=``). Call ``close()`` (or use ``with``) to give the
-    blocks back as soon as the request is done.
+    ``past_key_values=``), on a model with ``attn_implementation="ferrox"``
+    to read the cache in place. Call ``close()`` (or use ``with``) to give the
+    blocks back as soon as the request is done; it is final.
     """
 
     # layers whose state is K/V rows; others (linear attention, recurrent,
@@ -221,12 +334,29 @@ class FerroxCache(Cache):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self._closed = False
+        self.config = config
         self.pool = pool
         self.max_seq_len = max_seq_len
         self.n_kv_heads = n_kv
         self.head_dim = head_dim
         super().__init__(layers=[FerroxLayer(self, i) for i in range(n_layers)])
         self._ensure_batch(batch_size)
+
+    def _reads_in_place(self) -> bool:
+        """Whether the model runs the "ferrox" attention (read at each step:
+        ``set_attn_implementation`` may switch it)."""
+        return getattr(self.config, "_attn_implementation", None) == ATTENTION
+
+    def _warn_gathering(self):
+        global _warned
+        if not _warned:
+            _warned = True
+            impl = getattr(self.config, "_attn_implementation", None)
+            warnings.warn(
+                f"FerroxCache: the model's attention implementation is {impl!r}, so every step "
+                "hands it the whole K/V (gathered from the pool's blocks when pooled); "
+                f"model.set_attn_implementation({ATTENTION!r}) reads the cache in place",
+                stacklevel=3)
 
     def _new_caches(self, count):
         if self.pool is not None:
@@ -261,10 +391,9 @@ class FerroxCache(Cache):
         if batch <= have:
             return
         if have == 0:
-            extra = batch
-            fresh = self._new_caches(extra * len(self.layers))  # raises before any change
+            fresh = self._new_caches(batch * len(self.layers))  # raises before any change
             for i, layer in enumerate(self.layers):
-                layer.seqs = fresh[i * extra:(i + 1) * extra]
+                layer.seqs = fresh[i * batch:(i + 1) * batch]
             return
         self._grow_from(lambda b: 0, batch)
 
@@ -296,7 +425,8 @@ class FerroxCache(Cache):
 
     def reorder_cache(self, beam_idx) -> None:
         """Sequence b takes the rows of sequence beam_idx[b] (beam search), in
-        every layer at once, all or nothing."""
+        every layer at once, all or nothing; pooled sequences share the full
+        blocks instead of copying them."""
         self._check_open()
         self._reorder_layers(self.layers, _order(beam_idx, self.batch_size))
 
@@ -330,7 +460,8 @@ class FerroxCache(Cache):
 
     @property
     def blocks_held(self) -> int:
-        """Pool blocks held by all layers and sequences."""
+        """Pool blocks held by all layers and sequences (a block shared by
+        several sequences counts once for each)."""
         return sum(c.blocks_held for layer in self.layers for c in layer.seqs)
 
     def close(self) -> None:

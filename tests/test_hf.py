@@ -31,13 +31,51 @@ def _qwen2():
     return cfg, transformers.Qwen2ForCausalLM
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def _mistral():
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+        sliding_window=8)                              # shorter than the tests' sequences
+    return cfg, transformers.MistralForCausalLM
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral}
+
+
+@pytest.fixture(scope="module", params=["llama-sdpa", "llama-ferrox", "qwen2-sdpa",
+                                        "qwen2-ferrox", "mistral-ferrox"])
 def model(request):
-    cfg, cls = {"llama": _llama, "qwen2": _qwen2}[request.param]()
+    """A tiny random model; "-ferrox" ones read FerroxCache in place, "-sdpa"
+    ones get the K/V handed over (the gathering path). References always run
+    DynamicCache with SDPA on the same weights."""
+    name, impl = request.param.split("-")
+    cfg, cls = MODELS[name]()
     torch.manual_seed(1234)
     m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0
+    m.set_attn_implementation(impl)
     return m
+
+
+class _impl:
+    """Run a block with another attention implementation."""
+
+    def __init__(self, model, impl):
+        self.model, self.impl = model, impl
+
+    def __enter__(self):
+        self.old = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.impl)
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.old)
+
+
+def _reference(model, ids, cache=None, **kw):
+    """generate with DynamicCache (or ``cache``) and SDPA: what FerroxCache
+    must match."""
+    with _impl(model, "sdpa"):
+        return _gen(model, ids, cache if cache is not None else DynamicCache(config=model.config), **kw)
 
 
 def _prompt(n=12, seed=0, batch=1):
@@ -66,7 +104,7 @@ def test_geometry_is_read_from_the_config(model):
 
 def test_greedy_generation_is_token_identical_to_dynamic_cache(model):
     ids = _prompt()
-    ref = _gen(model, ids, DynamicCache(config=model.config))
+    ref = _reference(model, ids)
     got = _gen(model, ids, FerroxCache(model.config))
     assert ref.shape[1] == ids.shape[1] + 40
     assert torch.equal(ref, got)
@@ -85,7 +123,7 @@ def test_returned_keys_are_zero_copy_views_of_contiguous_caches(model):
 
 def test_pooled_generation_is_identical_and_every_block_comes_back(model):
     ids = _prompt()
-    ref = _gen(model, ids, DynamicCache(config=model.config))
+    ref = _reference(model, ids)
     layers = model.config.num_hidden_layers
     pool = _pool_for(model, 64)
     with FerroxCache(model.config, pool=pool, max_seq_len=52) as cache:
@@ -134,7 +172,7 @@ def test_prompt_lookup_decoding_is_identical_and_rolls_back(model, monkeypatch):
     # a repetitive prompt, so prompt lookup finds drafts; a random model rejects most
     base = _prompt(6, seed=3)
     ids = torch.cat([base, base, base, base[:, :3]], dim=1)
-    ref = _gen(model, ids, DynamicCache(config=model.config), max_new_tokens=30)
+    ref = _reference(model, ids, max_new_tokens=30)
     removed = []
     orig = FerroxLayer.crop
 
@@ -154,7 +192,7 @@ def test_prompt_lookup_decoding_is_identical_and_rolls_back(model, monkeypatch):
 
 def test_assisted_decoding_with_a_draft_model_is_identical(model):
     ids = _prompt(10, seed=4)
-    ref = _gen(model, ids, DynamicCache(config=model.config), max_new_tokens=20)
+    ref = _reference(model, ids, max_new_tokens=20)
     d = model.config.to_dict()
     d.pop("layer_types", None)
     cfg = model.config.__class__(**{**d, "num_hidden_layers": 1})
@@ -169,9 +207,9 @@ def test_multi_turn_continuation_with_the_same_cache_is_identical(model):
     turn1 = _prompt(10, seed=5)
     user2 = _prompt(5, seed=6)
     ref_cache, fx_cache = DynamicCache(config=model.config), FerroxCache(model.config)
-    ref1, got1 = _gen(model, turn1, ref_cache, max_new_tokens=15), _gen(model, turn1, fx_cache, max_new_tokens=15)
+    ref1, got1 = _reference(model, turn1, ref_cache, max_new_tokens=15), _gen(model, turn1, fx_cache, max_new_tokens=15)
     assert torch.equal(ref1, got1)
-    ref2 = _gen(model, torch.cat([ref1, user2], 1), ref_cache, max_new_tokens=15)
+    ref2 = _reference(model, torch.cat([ref1, user2], 1), ref_cache, max_new_tokens=15)
     got2 = _gen(model, torch.cat([got1, user2], 1), fx_cache, max_new_tokens=15)
     assert torch.equal(ref2, got2)
     assert fx_cache.get_seq_length() == ref_cache.get_seq_length()
@@ -183,7 +221,7 @@ def test_left_padded_batch_of_two_is_identical(model):
     mask = torch.zeros((2, 12), dtype=torch.long)
     ids[0], mask[0] = a[0], 1
     ids[1, 5:], mask[1, 5:] = b[0], 1
-    ref = _gen(model, ids, DynamicCache(config=model.config), attention_mask=mask, max_new_tokens=25)
+    ref = _reference(model, ids, attention_mask=mask, max_new_tokens=25)
     pool = _pool_for(model, 64)
     with FerroxCache(model.config, pool=pool, max_seq_len=40, batch_size=2) as cache:
         got = _gen(model, ids, cache, attention_mask=mask, max_new_tokens=25)
@@ -195,7 +233,7 @@ def test_left_padded_batch_of_two_is_identical(model):
 def test_beam_search_with_three_beams_is_identical(model):
     ids = _prompt(9, seed=10)
     kw = dict(num_beams=3, max_new_tokens=20, early_stopping=True)
-    ref = _gen(model, ids, DynamicCache(config=model.config), **kw)
+    ref = _reference(model, ids, **kw)
     layers = model.config.num_hidden_layers
     pool = _pool_for(model, 256)
     with FerroxCache(model.config, pool=pool, max_seq_len=30) as cache:
@@ -222,7 +260,7 @@ def test_sampling_is_identical_under_the_same_seed(model):
     ids = _prompt(8, seed=11)
     kw = dict(do_sample=True, top_k=20, temperature=0.9, max_new_tokens=30)
     torch.manual_seed(99)
-    ref = _gen(model, ids, DynamicCache(config=model.config), **kw)
+    ref = _reference(model, ids, **kw)
     torch.manual_seed(99)
     got = _gen(model, ids, FerroxCache(model.config, max_seq_len=64), **kw)
     assert torch.equal(ref, got)
@@ -231,7 +269,7 @@ def test_sampling_is_identical_under_the_same_seed(model):
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_deprecated_past_key_values_argument_works(model):
     ids = _prompt(8, seed=12)
-    ref = _gen(model, ids, DynamicCache(config=model.config), max_new_tokens=10)
+    ref = _reference(model, ids, max_new_tokens=10)
     cache = FerroxCache(model.config)
     with torch.no_grad():
         got = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
@@ -258,7 +296,7 @@ def test_half_precision_models_are_identical_through_conversion(model, dtype):
     half = model.to(dtype)
     try:
         ids = _prompt(10, seed=14)
-        ref = _gen(half, ids, DynamicCache(config=half.config), max_new_tokens=20)
+        ref = _reference(half, ids, max_new_tokens=20)
         got = _gen(half, ids, FerroxCache(half.config), max_new_tokens=20)
         assert torch.equal(ref, got)
     finally:
@@ -266,7 +304,9 @@ def test_half_precision_models_are_identical_through_conversion(model, dtype):
 
 
 def _prefilled(cache, model, ids):
-    with torch.no_grad():
+    """A forward pass with SDPA, so that FerroxCache and DynamicCache hold
+    bit-identical K/V (what these tests compare)."""
+    with torch.no_grad(), _impl(model, "sdpa"):
         model(input_ids=ids, cache=cache, use_cache=True)
     return cache
 
@@ -414,3 +454,99 @@ def test_reorder_cache_moves_every_layer_at_once_and_shares_blocks(model):
     assert pool.free_blocks == 64
     with pytest.raises(ValueError, match="FerroxCache is closed"):
         cache.reorder_cache(torch.tensor([0, 1, 2]))
+
+
+# -- the "ferrox" attention implementation ----------------------------------------
+
+@pytest.fixture(scope="module")
+def ferrox_llama():
+    cfg, cls = _llama()
+    torch.manual_seed(4321)
+    m = cls(cfg).eval()
+    m.generation_config.pad_token_id = 0
+    m.set_attn_implementation("ferrox")
+    return m
+
+
+def _counting_attend(monkeypatch):
+    import ferrox_kv.hf as fhf
+    calls = []
+    real = fhf.attend_many
+
+    def counted(caches, q, **kw):
+        calls.append(q.shape)
+        return real(caches, q, **kw)
+
+    monkeypatch.setattr(fhf, "attend_many", counted)
+    monkeypatch.setattr(FerroxLayer, "_gather", lambda self: pytest.fail("ferrox attention gathered"))
+    return calls
+
+
+@pytest.mark.parametrize("prompt_len", [12, 80])      # a short prefill attends, a long one uses SDPA
+def test_ferrox_attention_reads_the_pool_in_place_and_never_gathers(ferrox_llama, monkeypatch,
+                                                                     prompt_len):
+    ids = _prompt(prompt_len, seed=30)
+    ref = _reference(ferrox_llama, ids, max_new_tokens=20)
+    calls = _counting_attend(monkeypatch)
+    pool = _pool_for(ferrox_llama, 128)
+    with FerroxCache(ferrox_llama.config, pool=pool, max_seq_len=prompt_len + 20) as cache:
+        got = _gen(ferrox_llama, ids, cache, max_new_tokens=20)
+    assert torch.equal(ref, got)
+    layers = ferrox_llama.config.num_hidden_layers
+    decode = [s for s in calls if s[1] == 1]
+    assert len(decode) == 19 * layers                      # every decode step of every layer
+    assert len(calls) == (19 + (prompt_len < 64)) * layers
+    assert pool.free_blocks == 128
+
+
+def test_ferrox_attention_on_a_left_padded_batch_never_attends_padding(ferrox_llama, monkeypatch):
+    a, b = _prompt(14, seed=31), _prompt(6, seed=32)
+    ids = torch.zeros((2, 14), dtype=torch.long)
+    mask = torch.zeros((2, 14), dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 8:], mask[1, 8:] = b[0], 1
+    ids[1, :8] = 77                                       # padding that would change the result
+    ref = _reference(ferrox_llama, ids, attention_mask=mask, max_new_tokens=15)
+    calls = _counting_attend(monkeypatch)
+    with FerroxCache(ferrox_llama.config, pool=_pool_for(ferrox_llama, 64), max_seq_len=29,
+                     batch_size=2) as cache:
+        got = _gen(ferrox_llama, ids, cache, attention_mask=mask, max_new_tokens=15)
+    assert torch.equal(ref, got) and calls
+
+
+def test_logits_stay_within_1e4_of_dynamic_cache_at_every_step(model):
+    ids = _prompt(20, seed=33)
+    kw = dict(max_new_tokens=25, output_logits=True, return_dict_in_generate=True)
+    ref = _reference(model, ids, **kw)
+    pool = _pool_for(model, 64)
+    with FerroxCache(model.config, pool=pool, max_seq_len=45) as cache:
+        got = _gen(model, ids, cache, **kw)
+    assert torch.equal(ref.sequences, got.sequences)
+    for r, g in zip(ref.logits, got.logits):
+        assert (g - r).abs().max() <= 1e-4 * r.abs().max()
+
+
+def test_the_ferrox_attention_falls_back_to_sdpa_without_a_ferrox_cache(ferrox_llama):
+    ids = _prompt(10, seed=34)
+    with torch.no_grad():
+        with _impl(ferrox_llama, "sdpa"):
+            ref = ferrox_llama(input_ids=ids, use_cache=False).logits
+        got = ferrox_llama(input_ids=ids, use_cache=False).logits       # no cache at all
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    ref_ids = _reference(ferrox_llama, ids, max_new_tokens=15)
+    got_ids = _gen(ferrox_llama, ids, DynamicCache(config=ferrox_llama.config), max_new_tokens=15)
+    assert torch.equal(ref_ids, got_ids)                  # a DynamicCache on a ferrox model
+
+
+def test_other_attention_implementations_warn_once_naming_the_fast_path(monkeypatch):
+    import ferrox_kv.hf as fhf
+    monkeypatch.setattr(fhf, "_warned", False)
+    cfg, cls = _llama()
+    m = cls(cfg).eval()
+    m.set_attn_implementation("sdpa")
+    with pytest.warns(UserWarning, match=r"set_attn_implementation\('ferrox'\)"):
+        _gen(m, _prompt(5), FerroxCache(cfg), max_new_tokens=3)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _gen(m, _prompt(5), FerroxCache(cfg), max_new_tokens=3)     # once per process
