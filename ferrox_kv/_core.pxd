@@ -25,6 +25,7 @@ cdef extern from "_fx.h" nogil:
     bint fx_overlap(const void* a, size_t an, const void* b, size_t bn)
     uint64_t fx_block_key(uint64_t parent, const int32_t* tokens, Py_ssize_t n,
                           uint64_t layers, uint64_t salt)
+    float fx_read_rows(const float* p, Py_ssize_t n, Py_ssize_t width, Py_ssize_t stride)
 
 
 # Who holds a block: caches share and give back only blocks caches took, and

@@ -57,3 +57,34 @@ def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t r
         while off + row <= nbytes:
             memcpy(d + off, s + off, row)
             off += row
+
+
+cdef float _read_cache(Cache* c) noexcept nogil:
+    """Every K and V float of a cache's rows read once, where they lie."""
+    cdef Py_ssize_t r = 0, m
+    cdef float acc = 0
+    while r < c.len:
+        m = _run(c, r, c.len)
+        acc += fx_read_rows(_k_row(c, r), 1, m * c.kw, 0)
+        acc += fx_read_rows(_v_row(c, r), 1, m * c.vw, 0)
+        r += m
+    return acc
+
+
+def _read_floor(caches, Py_ssize_t repeat=1):
+    """The read-bandwidth floor of attention: read every K and V float of each
+    cache's context once (through its block table when pooled), ``repeat``
+    times, in C without the GIL. Returns the sum (so nothing is optimised
+    away)."""
+    cdef tuple cl = tuple(caches)
+    cdef Py_ssize_t n = len(cl), i, k
+    cdef Cache** cs = _claim_all(cl, "caches")
+    cdef float acc = 0
+    try:
+        with nogil:
+            for k in range(repeat):
+                for i in range(n):
+                    acc += _read_cache(cs[i])
+    finally:
+        _release_all(cs, n)
+    return acc
