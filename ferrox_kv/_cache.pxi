@@ -275,7 +275,7 @@ K and V rows of one sequence in one layer.
 
     @staticmethod
     def with_pool(n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
-                  *, v_head_dim=None):
+                  *, v_head_dim=None, tokens=None, salt=None):
         """A cache whose rows live in ``pool``'s blocks.
 
         Takes ``max(1, ceil(max_seq_len / block_size))`` blocks up front, all or
@@ -283,8 +283,17 @@ K and V rows of one sequence in one layer.
         cannot. Geometry must match the pool's (``ValueError`` otherwise).
         Pushing past the reservation takes one more block per ``block_size``
         positions (and can then raise ``KvPoolExhausted``).
+
+        With ``tokens`` (the request's token ids; a pool with
+        ``prefix_cache=True``), the longest prefix of them published under the
+        same ``salt`` (and layer count, 1) is reused: the cache starts with
+        ``seq_len`` = that many positions (whole blocks, at most
+        ``len(tokens) - 1``), sharing those blocks, and reserves the rest of
+        ``max_seq_len``. Every hit is verified against the token ids stored
+        with the blocks, never trusted to a hash.
         """
-        return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len)[0]
+        return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
+                           tokens, salt)[0]
 
     def _blank(self, Py_ssize_t count):
         """``count`` empty caches like this one, to be filled by ``_assign``:
@@ -314,16 +323,19 @@ K and V rows of one sequence in one layer.
 
     @staticmethod
     def with_pool_many(count, n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
-                       *, v_head_dim=None):
+                       *, v_head_dim=None, tokens=None, salt=None):
         """``count`` pooled caches (e.g. every layer of a sequence, or every
         layer of every sequence of a batch), reserved at once.
 
         One acquisition of ``count * max(1, ceil(max_seq_len / block_size))``
         blocks: all the caches or none. When the pool cannot cover them all,
         ``KvPoolExhausted`` and the pool is untouched (one refusal counted).
+        With ``tokens``, the caches are one sequence's ``count`` layers and
+        reuse its longest published prefix, as ``with_pool`` does.
         """
         cdef Py_ssize_t n = _count(count, "count", 0)
-        return _new_pooled(n, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len)
+        return _new_pooled(n, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
+                           tokens, salt)
 
     # -- read-only state (answers in every state) ---------------------------
 
@@ -703,48 +715,96 @@ cdef Py_ssize_t _check_rows(cnp.ndarray a, int lead, Py_ssize_t h, Py_ssize_t d,
                      f"got shape {_shape(a)}")
 
 
+cdef object _token_ids(object tokens, str name):
+    """Token ids as a private 1-D int32 array (ValueError / TypeError)."""
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be a sequence of integer token ids ({e})") from None
+    if arr.dtype.kind not in "iu" and not (arr.dtype.kind == "f" and arr.size == 0):
+        raise TypeError(f"{name} must be integer token ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one sequence of token ids, got shape {arr.shape}")
+    if arr.size and (arr.min() < -2**31 or arr.max() > 2**31 - 1):
+        raise ValueError(f"{name} holds ids outside the int32 range")
+    return np.array(arr, dtype=np.int32, copy=True)
+
+
 cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
-                      KvBlockPool pool, max_seq_len):
-    """``count`` pooled caches of one geometry, each reserving
-    max(1, ceil(max_seq_len / block_size)) blocks, in one acquisition."""
+                      KvBlockPool pool, max_seq_len, tokens=None, salt=None):
+    """``count`` pooled caches of one geometry (one sequence's layers), each
+    reserving max(1, ceil(max_seq_len / block_size)) blocks, in one
+    acquisition. With ``tokens``, the longest published prefix of them (whole
+    blocks, at most len(tokens) - 1 positions, this salt and layer count) is
+    shared instead of reserved anew, and the caches start holding it."""
     cdef KvCache proto = KvCache.__new__(KvCache)
     proto._set_geometry(n_kv_heads, head_dim, v_head_dim)
     cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
     _check_pool_geometry(proto, pool)
     cdef Pool* p = pool.p
-    cdef Py_ssize_t per = _blocks_for(max_len, p.block_size), i
+    cdef Py_ssize_t bs = p.block_size, per = _blocks_for(max_len, bs), i, m_max = 0, m = 0, nb
+    cdef int32_t salt_id = 0
     cdef list out = []
     cdef KvCache c
     cdef Cache* cc
-    cdef int32_t* ids
+    cdef int32_t* ids = NULL
+    cdef int32_t* scratch = NULL
+    cdef uint64_t* keys = NULL
+    cdef const int32_t* tp = NULL
     cdef BlockReq r
+    cdef int rc
+    cdef cnp.ndarray toks = None
+    if tokens is not None:
+        if p.prefix == NULL:
+            raise ValueError("tokens= needs a pool with a prefix cache: "
+                             "KvBlockPool(..., prefix_cache=True)")
+        toks = _token_ids(tokens, "tokens")
+        salt_id = pool._salt_id(salt)
+        m_max = max(len(toks) - 1, 0) // bs
+        tp = <const int32_t*>cnp.PyArray_DATA(toks)
+    elif salt is not None:
+        raise ValueError("salt= goes with tokens=")
     if per < 1:
         per = 1
     if count == 0:
         return out
     if per > p.total or count > p.total // per:  # before sizing memory by the request
         raise KvPoolExhausted(per * count, pool_refuse(p))
+    if m_max > p.total:
+        m_max = p.total
+    nb = max(per, m_max)
     for i in range(count):                 # tables first: only MemoryError can fail
         c = KvCache.__new__(KvCache)
         c._copy_geometry(proto)
-        _reserve_table(&c.c, per)
+        _reserve_table(&c.c, nb)
         out.append(c)
-    ids = <int32_t*>malloc(<size_t>(per * count) * sizeof(int32_t))
-    if ids == NULL:
-        raise MemoryError()
-    with nogil:
-        i = pool_take(p, per * count, ids, OWNER_CACHE, &r)
-    if i != 0:
+    try:
+        ids = <int32_t*>malloc(<size_t>(nb * count) * sizeof(int32_t))
+        scratch = <int32_t*>malloc(<size_t>(m_max * (count + 1) + count * nb + 1) * sizeof(int32_t))
+        keys = <uint64_t*>malloc(<size_t>(m_max + 1) * sizeof(uint64_t))
+        if ids == NULL or scratch == NULL or keys == NULL:
+            raise MemoryError()
+        with nogil:
+            if m_max:
+                prefix_keys(tp, m_max, bs, <int32_t>count, salt_id, keys)
+            rc = pool_reserve(p, keys if m_max else NULL, tp, m_max, <int32_t>count, salt_id,
+                              per, ids, nb, scratch, &m, &r)
+        if rc != 0:
+            raise KvPoolExhausted(r.needed, r.free_seen)
+        nb = max(per, m)
+        for i in range(count):
+            c = <KvCache>out[i]
+            memcpy(c.c.table, ids + i * max(per, m_max), <size_t>nb * sizeof(int32_t))
+            pool_incref(p)
+            c.c.pool = p
+            c.c.n_blocks = nb
+            c.c.cap = nb * bs
+            c.c.len = m * bs
+            c.c.shared_upto = m
+            cc = &c.c
+            pool_link(p, &cc, 1)
+    finally:
         free(ids)
-        raise KvPoolExhausted(r.needed, r.free_seen)
-    for i in range(count):
-        c = <KvCache>out[i]
-        memcpy(c.c.table, ids + i * per, <size_t>per * sizeof(int32_t))
-        pool_incref(p)
-        c.c.pool = p
-        c.c.n_blocks = per
-        c.c.cap = per * p.block_size
-        cc = &c.c
-        pool_link(p, &cc, 1)
-    free(ids)
+        free(scratch)
+        free(keys)
     return out

@@ -169,6 +169,7 @@ cdef class KvBlockPool:
     cdef readonly Py_ssize_t v_head_dim
     cdef dict _salts          # salt -> id, for the prefix cache
     cdef cnp.ndarray _arena_view(self, float* base, Py_ssize_t width_last)
+    cdef int32_t _salt_id(self, salt) except -1
 
 
 @cython.final

@@ -737,6 +737,80 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
                              f"(out of range 0..{self.p.total - 1}, a double free, or a "
                              "block a cache holds); nothing was given back")
 
+    cdef int32_t _salt_id(self, salt) except -1:
+        """A small id per distinct salt (None is 0), kept for the pool's life:
+        entries compare salt ids exactly. Salts are None, str, bytes or int,
+        whose hashing runs no Python code."""
+        if salt is not None and type(salt) not in (str, bytes, int):
+            raise TypeError(f"salt must be None, str, bytes or int, got {type(salt).__name__}")
+        sid = self._salts.get(salt)
+        if sid is None:
+            sid = len(self._salts)
+            if sid > INT32_MAX:
+                raise ValueError("too many distinct salts")
+            self._salts[salt] = sid
+        return sid
+
+    def publish(self, caches, tokens, *, salt=None):
+        """Register the full blocks of one sequence in the prefix cache.
+
+        ``caches`` are the sequence's layers (one or more pooled caches of
+        this pool, of equal length); ``tokens`` the token ids of the
+        positions whose K/V they hold (at most ``seq_len`` of them: the last
+        sampled token of a generation has no K/V yet). Each full block of
+        ``tokens`` is keyed by a chained hash over its parent's key, its token
+        ids, the layer count and the salt, and stores the token ids to verify
+        every later hit. A block position that is already published keeps the
+        existing blocks (this sequence's copies stay private and are freed
+        when it lets go). Published blocks are immutable: a cache that writes
+        into one (after ``truncate``) copies it first. Returns the number of
+        positions now published along this sequence's chain.
+        """
+        cdef tuple cl = tuple(caches)
+        cdef Py_ssize_t n = len(cl), i, n_full, done
+        cdef Cache** cs
+        cdef int32_t** tables = NULL
+        cdef uint64_t* keys = NULL
+        cdef int32_t salt_id
+        cdef Pool* p = self.p
+        cdef cnp.ndarray toks = _token_ids(tokens, "tokens")
+        cdef const int32_t* tp = <const int32_t*>cnp.PyArray_DATA(toks)
+        if p.prefix == NULL:
+            raise ValueError("this pool has no prefix cache: KvBlockPool(..., prefix_cache=True)")
+        salt_id = self._salt_id(salt)
+        if n == 0:
+            raise ValueError("caches is empty")
+        cs = _claim_all(cl, "caches")
+        try:
+            _check_same_geometry(cl, "caches")
+            for i in range(n):
+                if cs[i].pool != p:
+                    raise ValueError(f"caches[{i}] is not a pooled cache of this pool")
+                if cs[i].len != cs[0].len:
+                    raise ValueError(f"caches[{i}] holds {cs[i].len} positions, caches[0] "
+                                     f"{cs[0].len}: one sequence's layers have one length")
+            if len(toks) > cs[0].len:
+                raise ValueError(f"tokens has {len(toks)} ids for caches holding "
+                                 f"{cs[0].len} positions")
+            n_full = len(toks) // p.block_size
+            tables = <int32_t**>malloc(<size_t>n * sizeof(int32_t*))
+            keys = <uint64_t*>malloc(<size_t>(n_full + 1) * sizeof(uint64_t))
+            if tables == NULL or keys == NULL:
+                raise MemoryError()
+            for i in range(n):
+                tables[i] = cs[i].table
+            with nogil:
+                prefix_keys(tp, n_full, p.block_size, <int32_t>n, salt_id, keys)
+                done = pool_publish(p, tables, <int32_t>n, keys, tp, n_full, salt_id)
+            for i in range(n):
+                if done > cs[i].shared_upto:
+                    cs[i].shared_upto = done      # published: a write there copies first
+        finally:
+            free(tables)
+            free(keys)
+            _release_all(cs, n)
+        return done * p.block_size
+
     def check(self):
         """Walk every invariant of the pool and raise ``RuntimeError`` naming
         the first broken one (a debugging aid; the tests call it after every

@@ -281,3 +281,72 @@ cdef Py_ssize_t prefix_publish(Pool* p, int32_t** tables, int32_t layers,
                 x.e_child[parent] = e
         parent = e
     return n
+
+
+cdef void prefix_keys(const int32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bs,
+                      int32_t layers, int32_t salt, uint64_t* keys) noexcept nogil:
+    """The chained keys of the first ``n_blocks`` blocks of ``tokens``."""
+    cdef Py_ssize_t i
+    cdef uint64_t parent = 0
+    for i in range(n_blocks):
+        keys[i] = fx_block_key(parent, tokens + i * bs, bs, <uint64_t>layers, <uint64_t>salt)
+        parent = keys[i]
+
+
+cdef int pool_reserve(Pool* p, const uint64_t* keys, const int32_t* tokens, Py_ssize_t m_max,
+                      int32_t layers, int32_t salt, Py_ssize_t per, int32_t* out,
+                      Py_ssize_t stride, int32_t* scratch, Py_ssize_t* matched,
+                      BlockReq* r) noexcept nogil:
+    """The blocks of ``layers`` new caches of one sequence, in one locked
+    step: the longest published prefix of ``tokens`` (at most ``m_max``
+    blocks; none when ``keys`` is NULL), shared, and fresh blocks up to
+    max(per, matched) per cache. All or nothing (FX_EXHAUSTED, ``r`` says by
+    how much). Cache j's ids go to ``out[j * stride ...]``; ``scratch`` holds
+    ``m_max * (layers + 1) + layers * max(per, m_max)`` ids."""
+    cdef int32_t* entries = scratch
+    cdef int32_t* share = scratch + m_max
+    cdef int32_t* fresh = share + <size_t>m_max * <size_t>layers
+    cdef Py_ssize_t m = 0, nb, i, j
+    cdef int rc
+    pthread_mutex_lock(&p.lock)
+    if keys != NULL and p.prefix != NULL:
+        m = prefix_match(p, keys, tokens, m_max, layers, salt, entries)
+        prefix_blocks(p, entries, m, layers, share)
+    nb = per if per > m else m
+    memset(r, 0, sizeof(BlockReq))
+    r.pool = p
+    r.share = share
+    r.n_share = m * layers
+    r.fresh = fresh
+    r.n_fresh = (nb - m) * layers
+    r.owner = OWNER_CACHE
+    rc = _req_check(r)
+    if rc == 0:
+        _req_apply(r)
+        if keys != NULL and p.prefix != NULL:
+            if m:
+                p.prefix.hits += 1
+                p.prefix.hit_tokens += <uint64_t>(m * p.block_size)
+            else:
+                p.prefix.misses += 1
+    elif rc == FX_EXHAUSTED:
+        p.refused += 1
+    pthread_mutex_unlock(&p.lock)
+    if rc != 0:
+        return rc
+    for j in range(layers):
+        for i in range(m):
+            out[j * stride + i] = share[j * m + i]
+        for i in range(nb - m):
+            out[j * stride + m + i] = fresh[j * (nb - m) + i]
+    matched[0] = m
+    return 0
+
+
+cdef Py_ssize_t pool_publish(Pool* p, int32_t** tables, int32_t layers, const uint64_t* keys,
+                             const int32_t* tokens, Py_ssize_t n, int32_t salt) noexcept nogil:
+    cdef Py_ssize_t done
+    pthread_mutex_lock(&p.lock)
+    done = prefix_publish(p, tables, layers, keys, tokens, n, salt)
+    pthread_mutex_unlock(&p.lock)
+    return done

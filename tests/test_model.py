@@ -257,3 +257,137 @@ class CacheMachine(RuleBasedStateMachine):
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------
+# Sharing: fork, publish, prefix lookups and eviction on a small pool
+# ---------------------------------------------------------------------------
+
+SB, STOTAL, SW = 2, 14, 3            # block size, blocks, row width (1 head x 3)
+VOCAB = 3                            # few token ids: prefixes repeat often
+
+
+def _row(prefix):
+    """The K row a model would compute at the last position of ``prefix``:
+    a function of the token prefix, so every publisher of a prefix stores the
+    same rows and any hit can be checked."""
+    h = hash(tuple(prefix)) & 0xFFFFF
+    return [float(h + j) for j in range(SW)]
+
+
+class SharingMachine(RuleBasedStateMachine):
+    """Caches whose rows follow their token ids; every hit, fork and
+    copy-on-write must keep them so, and the pool must pass check()."""
+    caches = Bundle("shared")
+
+    def __init__(self):
+        super().__init__()
+        self.pool = KvBlockPool(SB, STOTAL, 1, SW, prefix_cache=True)
+        self.live = []                 # [cache, tokens]
+        self.raw = []
+        self.slots = []
+
+    def _rows(self, toks):
+        return np.array([_row(toks[:i + 1]) for i in range(len(toks))], np.float32).reshape(-1, SW)
+
+    def _keep(self, c, toks):
+        entry = [c, list(toks)]
+        self.live.append(entry)
+        slot = Slot(entry, None)
+        self.slots.append(slot)
+        return slot
+
+    @rule(target=caches, toks=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          extra=st.integers(0, 4), salt=st.sampled_from([None, "t"]))
+    def open(self, toks, extra, salt):
+        try:
+            c = KvCache.with_pool(1, SW, self.pool, len(toks) + extra, tokens=toks, salt=salt)
+        except KvPoolExhausted:
+            return self._keep(KvCache(1, SW), [])
+        hit = c.seq_len
+        assert hit % SB == 0 and hit <= len(toks) - 1
+        np.testing.assert_array_equal(c.k.reshape(-1, SW), self._rows(toks[:hit]))
+        rest = self._rows(toks)[hit:]
+        try:
+            c.extend(rest, -rest)
+        except KvPoolExhausted:
+            pass
+        else:
+            hit = len(toks)
+        return self._keep(c, toks[:hit])
+
+    @rule(cm=caches, tok=st.integers(0, VOCAB - 1))
+    def push(self, cm, tok):
+        c, toks = cm.c
+        row = _row(toks + [tok])
+        before = (c.seq_len, c.block_table.tolist())
+        try:
+            c.push(np.array(row, np.float32), -np.array(row, np.float32))
+        except KvPoolExhausted:
+            assert (c.seq_len, c.block_table.tolist()) == before
+            return
+        toks.append(tok)
+
+    @rule(cm=caches, data=st.data())
+    def truncate(self, cm, data):
+        c, toks = cm.c
+        n = data.draw(st.integers(0, len(toks)))
+        c.truncate(n)
+        del toks[n:]
+
+    @rule(target=caches, cm=caches)
+    def fork(self, cm):
+        c, toks = cm.c
+        try:
+            f = c.fork()
+        except KvPoolExhausted:
+            return self._keep(KvCache(1, SW), [])
+        return self._keep(f, toks)
+
+    @rule(cm=caches, salt=st.sampled_from([None, "t"]))
+    def publish(self, cm, salt):
+        c, toks = cm.c
+        if c.is_pooled:
+            assert self.pool.publish([c], toks, salt=salt) <= len(toks)
+
+    @rule(n=st.integers(0, 6))
+    def allocate(self, n):
+        try:
+            self.raw.append(self.pool.allocate(n))       # may evict cached blocks
+        except KvPoolExhausted as e:
+            assert e.free == self.pool.free_blocks < n
+
+    @rule()
+    def free_raw(self):
+        if self.raw:
+            self.pool.free(self.raw.pop())
+
+    @rule(cm=consumes(caches))
+    def drop(self, cm):
+        c, _ = cm.c
+        self.live = [e for e in self.live if e[0] is not c]
+        cm.c = None
+        del c
+
+    @invariant()
+    def rows_follow_tokens(self):
+        self.pool.check()
+        for c, toks in self.live:
+            assert c.seq_len == len(toks)
+            np.testing.assert_array_equal(c.k.reshape(-1, SW), self._rows(toks))
+            np.testing.assert_array_equal(c.v.reshape(-1, SW), -self._rows(toks))
+
+    def teardown(self):
+        self.live.clear()
+        for slot in self.slots:
+            slot.c = None
+        while self.raw:
+            self.pool.free(self.raw.pop())
+        gc.collect()
+        self.pool.check()
+        assert self.pool.used_blocks == 0
+
+
+TestSharingMachine = SharingMachine.TestCase
+TestSharingMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
