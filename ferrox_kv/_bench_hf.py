@@ -1,8 +1,20 @@
-"""The transformers group of ``python -m ferrox_kv.bench``: per-token decode
-time of a tiny model with ``FerroxCache`` against ``DynamicCache``. Runs only
-when torch and transformers are installed."""
+"""The ``hf`` group of ``ferrox-kv bench``: per-token decode time of a real
+(small) transformers model with ``FerroxCache`` (pooled, read in place by the
+"ferrox" attention) against ``DynamicCache`` and ``StaticCache`` with SDPA
+(transformers' default attention). Needs torch and transformers.
+
+The model: a 2-layer Llama with Llama-3-8B's attention geometry (32 query
+heads over 8 KV heads x 128, hidden 1024), random weights, float32, one torch
+thread. The prompt is not run through the model: each cache is prefilled with
+the same random K/V (``cache.update`` per layer, the way the model's own
+layers store a prompt), then real decode steps of the model are timed. One
+model serves every variant (its attention implementation is switched between
+them), so the weights are the same."""
 import gc
 import time
+
+LLAMA = dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 
 
 def available():
@@ -14,23 +26,32 @@ def available():
     return True
 
 
-def _model(layers=4):
+def make_model(max_positions):
     import torch
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
-    return cfg, transformers.LlamaForCausalLM(cfg).eval()
+    cfg = transformers.LlamaConfig(**LLAMA, max_position_embeddings=max(2048, max_positions))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return cfg, model
 
 
-def _decode_time(model, cache, ctx, tokens):
-    """Prefill ``ctx`` positions, then time ``tokens`` single-token steps."""
+def _prefill(cache, kv):
+    """Every layer takes the same random (1, 8, T, 128) K/V a prompt would
+    have left there. ``kwargs={}`` is the dict a model layer passes: with the
+    "ferrox" attention, FerroxCache then hands back the new rows without
+    gathering (the other caches ignore it)."""
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k, v, layer, kwargs={})
+
+
+def _decode(model, cache, tokens, first):
+    """One untimed step, then ``tokens`` timed steps; seconds per token and
+    the first step's logits."""
     import torch
-    g = torch.Generator().manual_seed(ctx)
-    ids = torch.randint(1, model.config.vocab_size, (1, ctx), generator=g)
+    nxt = first
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, use_cache=True)
+        out = model(input_ids=nxt, cache=cache, use_cache=True)
+        logits = out.logits[0, -1].clone()
         nxt = out.logits[:, -1:].argmax(-1)
         gc.disable()
         t0 = time.perf_counter()
@@ -39,42 +60,68 @@ def _decode_time(model, cache, ctx, tokens):
             nxt = out.logits[:, -1:].argmax(-1)
         dt = time.perf_counter() - t0
         gc.enable()
-    return dt / tokens
+    return dt / tokens, logits
 
 
-def bench_hf(res, quick=False, log=print):
+def bench_hf(res, contexts, quick=False, log=print):
     import torch
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
+    import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
     from ferrox_kv import KvBlockPool
-    from ferrox_kv.hf import FerroxCache, kv_geometry
+    from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
 
-    torch.set_num_threads(1)
-    cfg, model = _model()
+    tokens = 8 if quick else 16
+    reps = 3 if quick else 5
+    cfg, model = make_model(max(contexts) + tokens + 2)
     layers, h, d = kv_geometry(cfg)
-    tokens = 8 if quick else 32
-    reps = 2 if quick else 5
-    contexts = [128] if quick else [128, 1024]
     g = "hf"
+    geo = f"llama-{layers}L"
+    first = torch.tensor([[7]])
+    # a decode step reads every weight once (matrix-vector products) except
+    # the embedding table, of which it reads one row
+    weights_mb = sum(p.numel() for n, p in model.named_parameters()
+                     if "embed_tokens" not in n) * 4 / 1e6
     for ctx in contexts:
-        max_len = ctx + tokens + 1
+        max_len = ctx + tokens + 2
+        gen = torch.Generator().manual_seed(ctx)
+        kv = [(torch.randn(1, h, ctx, d, generator=gen), torch.randn(1, h, ctx, d, generator=gen))
+              for _ in range(layers)]
         pool = KvBlockPool(16, layers * (-(-max_len // 16)), h, d)
-        makers = {
-            "DynamicCache": lambda: DynamicCache(config=cfg),
-            "FerroxCache (contiguous)": lambda: FerroxCache(cfg, max_seq_len=max_len),
-            "FerroxCache (pooled)": lambda: FerroxCache(cfg, pool=pool, max_seq_len=max_len),
+        # slug: (attention implementation, make the cache)
+        variants = {
+            "dynamic": ("sdpa", lambda: DynamicCache(config=cfg)),
+            "static": ("sdpa", lambda: StaticCache(config=cfg, max_cache_len=max_len)),
+            "ferrox": (ATTENTION, lambda: FerroxCache(cfg, pool=pool, max_seq_len=max_len)),
         }
-        best = {k: float("inf") for k in makers}
+        best = {k: float("inf") for k in variants}
+        logits = {}
         for _ in range(reps):
-            for name, make in makers.items():
+            for slug, (impl, make) in variants.items():
+                model.set_attn_implementation(impl)
                 cache = make()
-                best[name] = min(best[name], _decode_time(model, cache, ctx, tokens))
+                _prefill(cache, kv)
+                sec, lg = _decode(model, cache, tokens, first)
+                best[slug] = min(best[slug], sec)
+                logits.setdefault(slug, lg)
                 if hasattr(cache, "close"):
                     cache.close()
-        log(f"hf decode @ {ctx}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in best.items()))
-        base = best["DynamicCache"]
-        for name, sec in best.items():
-            res.add(g, f"tiny-llama{layers}L", f"{name}, per token @ {ctx} ctx", sec * 1e3,
-                    "ms/token", sec / base, "DynamicCache", context=ctx,
-                    key=f"hf_{name.split()[0]}_{name.split()[-1].strip('()')}_ctx{ctx}")
+                del cache
+        model.set_attn_implementation("sdpa")
+        # the same weights and K/V: the first step's logits agree across caches
+        diff = {k: float((v - logits["dynamic"]).abs().max()) for k, v in logits.items()}
+        log(f"hf decode @ {ctx}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
+            + f" (first-step logits, max |ferrox - DynamicCache| {diff['ferrox']:.6f})")
+        ms = {k: v * 1e3 for k, v in best.items()}
+        extra = dict(context=ctx, tokens=tokens, weights_read_mb=weights_mb)
+        res.add(g, geo, "hf.dynamic", f"DynamicCache + SDPA @ {ctx}", ms["dynamic"],
+                "ms/token", **extra)
+        res.add(g, geo, "hf.ferrox.vs_dynamic", f"FerroxCache pooled + ferrox attn @ {ctx}",
+                ms["ferrox"], "ms/token", ms["ferrox"] / ms["dynamic"], "DynamicCache",
+                logits_max_diff=diff["ferrox"], **extra)
+        res.add(g, geo, "hf.ferrox.vs_static", f"FerroxCache pooled + ferrox attn @ {ctx}",
+                ms["ferrox"], "ms/token", ms["ferrox"] / ms["static"], "StaticCache", **extra)
+        res.add(g, geo, "hf.static.vs_dynamic", f"StaticCache + SDPA @ {ctx}", ms["static"],
+                "ms/token", ms["static"] / ms["dynamic"], "DynamicCache",
+                logits_max_diff=diff["static"], **extra)
         assert pool.free_blocks == pool.total_blocks
