@@ -1,11 +1,19 @@
-"""Many request threads, one bounded KV pool.
+"""Many request threads, one bounded KV pool, a shared system prompt.
 
 A server-shaped example: one ``KvBlockPool`` sized for only a few requests at
-once, and N request threads, each generating for its own prompt with its own
+once, and N request threads, each generating for its own prompt (a system
+prompt every request shares, then its own text) with its own
 ``FerroxCache``. A request reserves its worst case (prompt + max_new_tokens,
 every layer) when it is admitted, so it can never fail mid-decode; a request
 that does not fit waits for blocks to come back and retries, and is refused
-after a timeout. At the end every block is back in the pool.
+after a timeout. The model reads the cache in place (``attn_implementation=
+"ferrox"``).
+
+It runs twice: without and with the pool's prefix cache. With it, a request
+publishes what it computed when it is done, and later requests reuse the
+system prompt's blocks (and skip computing them): the hit rate, the blocks
+saved and the time to first token say what that buys. At the end every block
+is back in the pool.
 
     python examples/threaded_generate.py [--threads 8] [--new-tokens 32]
 
@@ -13,12 +21,15 @@ The model is a tiny randomly initialised Llama (no download), so the tokens
 are meaningless; the point is the admission control and the accounting.
 """
 import argparse
+import statistics
 import threading
 import time
 
 import torch
 import transformers
+from transformers.generation.streamers import BaseStreamer
 
+import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
 from ferrox_kv import KvBlockPool, KvPoolExhausted
 from ferrox_kv.hf import FerroxCache, kv_geometry
 
@@ -32,11 +43,12 @@ class Admission:
         self.waits = 0
         self.refused = 0
 
-    def open(self, config, max_seq_len, timeout):
+    def open(self, config, max_seq_len, timeout, tokens):
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return FerroxCache(config, pool=self.pool, max_seq_len=max_seq_len)
+                return FerroxCache(config, pool=self.pool, max_seq_len=max_seq_len,
+                                   tokens=tokens if self.pool.prefix_cache else None)
             except KvPoolExhausted:
                 with self.returned:
                     self.waits += 1
@@ -52,11 +64,101 @@ class Admission:
             self.returned.notify_all()
 
 
+class FirstToken(BaseStreamer):
+    """Records when generate produces its first token."""
+
+    def __init__(self):
+        self.calls = 0
+        self.at = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.at is None:        # the first call is the prompt
+            self.at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def serve(model, config, args, prefix_cache):
+    layers, n_kv, head_dim = kv_geometry(config)
+    block_size = 16
+    prompt_len = args.system_len + args.user_len
+    max_seq_len = prompt_len + args.new_tokens
+    per_request = layers * -(-max_seq_len // block_size)
+    pool = KvBlockPool(block_size, per_request * args.fits, n_kv, head_dim,
+                       prefix_cache=prefix_cache)
+    admission = Admission(pool)
+    system = torch.randint(1, config.vocab_size, (1, args.system_len),
+                           generator=torch.Generator().manual_seed(0))
+    done_tokens, ttft, errors = [], [], []
+
+    def request(i):
+        try:
+            user = torch.randint(1, config.vocab_size, (1, args.user_len),
+                                 generator=torch.Generator().manual_seed(i + 1))
+            prompt = torch.cat([system, user], dim=1)
+            t0 = time.perf_counter()
+            cache = admission.open(config, max_seq_len, args.timeout, prompt[0])
+            if cache is None:
+                print(f"  request {i}: refused after {args.timeout:.1f} s")
+                return
+            try:
+                first = FirstToken()
+                with torch.no_grad():
+                    out = model.generate(prompt, cache=cache, max_new_tokens=args.new_tokens,
+                                         do_sample=False, streamer=first)
+                ttft.append(first.at - t0)
+                done_tokens.append(out.shape[1] - prompt_len)
+                if prefix_cache:
+                    cache.publish(out[0])           # the next requests reuse these blocks
+            finally:
+                admission.close(cache)
+        except BaseException as e:
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    # the first request goes alone, so that the others can find its prefix
+    first = threading.Thread(target=request, args=(0,))
+    first.start()
+    first.join()
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(1, args.threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+
+    s = pool.stats()
+    label = "with the prefix cache" if prefix_cache else "without a prefix cache"
+    print(f"{label}: pool of {pool.total_blocks} blocks x {block_size} positions "
+          f"({pool.total_blocks * pool.block_bytes / 2**20:.2f} MiB), {per_request} blocks "
+          f"reserved per request, so {args.fits} fit at once")
+    print(f"  requests: {len(done_tokens)} served, {admission.refused} refused, "
+          f"{admission.waits} waits for blocks")
+    print(f"  tokens: {sum(done_tokens)} in {elapsed:.2f} s = {sum(done_tokens) / elapsed:.1f} "
+          f"tokens/s; time to first token: median {statistics.median(ttft) * 1e3:.1f} ms")
+    if prefix_cache:
+        lookups = s["prefix_hits"] + s["prefix_misses"]
+        print(f"  prefix cache: {s['prefix_hits']} of {lookups} requests hit "
+              f"({s['prefix_hits'] / max(lookups, 1):.0%}), {s['hit_tokens']} positions reused "
+              f"= {s['hit_tokens'] // block_size * layers} blocks shared instead of computed "
+              f"and stored anew; {s['cached_blocks']} blocks cached, {s['evictions']} evicted")
+    print(f"  pool: high-water {s['high_water']} of {s['total_blocks']} blocks, "
+          f"refusals {s['refused']}")
+    pool.check()
+    assert s["used_blocks"] == 0, "blocks leaked"
+    return statistics.median(ttft)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--system-len", type=int, default=96, help="shared system prompt tokens")
+    ap.add_argument("--user-len", type=int, default=16, help="each request's own tokens")
     ap.add_argument("--fits", type=int, default=2, help="requests the pool can hold at once")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a request may wait")
     args = ap.parse_args()
@@ -68,56 +170,11 @@ def main():
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     model = transformers.LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
+    model.set_attn_implementation("ferrox")  # read the cache in place
 
-    layers, n_kv, head_dim = kv_geometry(config)
-    block_size = 16
-    max_seq_len = args.prompt_len + args.new_tokens
-    per_request = layers * -(-max_seq_len // block_size)
-    pool = KvBlockPool(block_size, per_request * args.fits, n_kv, head_dim)
-    admission = Admission(pool)
-    print(f"pool: {pool.total_blocks} blocks of {block_size} positions "
-          f"({pool.total_blocks * pool.block_bytes / 2**20:.2f} MiB); "
-          f"{per_request} blocks per request, so {args.fits} fit at once")
-
-    done_tokens = []
-    errors = []
-
-    def request(i):
-        try:
-            prompt = torch.randint(1, config.vocab_size, (1, args.prompt_len),
-                                   generator=torch.Generator().manual_seed(i))
-            cache = admission.open(config, max_seq_len, args.timeout)
-            if cache is None:
-                print(f"request {i}: refused after {args.timeout:.1f} s")
-                return
-            try:
-                with torch.no_grad():
-                    out = model.generate(prompt, cache=cache, max_new_tokens=args.new_tokens,
-                                         do_sample=False)
-                done_tokens.append(out.shape[1] - args.prompt_len)
-            finally:
-                admission.close(cache)
-        except BaseException as e:
-            errors.append(e)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(args.threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-
-    s = pool.stats()
-    print(f"requests: {len(done_tokens)} served, {admission.refused} refused, "
-          f"{admission.waits} waits for blocks")
-    print(f"tokens: {sum(done_tokens)} in {elapsed:.2f} s = {sum(done_tokens) / elapsed:.1f} tokens/s")
-    print(f"pool: high-water {s['high_water']} of {s['total_blocks']} blocks, "
-          f"acquired {s['acquired']}, released {s['released']}, refusals {s['refused']}")
-    assert s["free_blocks"] == s["total_blocks"], "blocks leaked"
-    assert s["high_water"] <= s["total_blocks"]
+    without = serve(model, config, args, prefix_cache=False)
+    with_ = serve(model, config, args, prefix_cache=True)
+    print(f"time to first token with the prefix cache: {with_ / without:.2f}x of without")
     print("every block is back in the pool")
 
 

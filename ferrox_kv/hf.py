@@ -295,7 +295,8 @@ class FerroxLayer(CacheLayerMixin):
 class FerroxCache(Cache):
     """A transformers ``Cache`` whose K/V live in ferrox_kv caches.
 
-    ``FerroxCache(config, pool=None, max_seq_len=None, batch_size=1)``
+    ``FerroxCache(config, pool=None, max_seq_len=None, batch_size=1, *,
+    tokens=None, salt=None)``
 
     * ``pool``: a ``KvBlockPool`` whose geometry matches the model's
       ``(num_key_value_heads, head_dim)``; every layer of every sequence then
@@ -303,6 +304,13 @@ class FerroxCache(Cache):
       (``max_seq_len`` is required with a pool).
     * without a pool: contiguous caches, pre-allocated to ``max_seq_len`` when
       given (``KvCache.with_capacity``), else growing geometrically.
+    * ``tokens`` (batch 1, a pool with ``prefix_cache=True``): the prompt's
+      token ids. The cache starts holding the longest prefix of them that
+      was published under ``salt`` (whole blocks, at most ``len(tokens) -
+      1``), shared with whoever published it; pass the whole prompt to
+      ``generate``, which feeds only the positions the cache lacks.
+      ``publish(token_ids)`` after generating makes this conversation's
+      blocks reusable by the next turn.
 
     Pass it to ``model.generate(..., cache=cache)`` (or the deprecated
     ``past_key_values=``), on a model with ``attn_implementation="ferrox"``
@@ -315,7 +323,7 @@ class FerroxCache(Cache):
     ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
     def __init__(self, config, pool: KvBlockPool | None = None, max_seq_len: int | None = None,
-                 batch_size: int = 1):
+                 batch_size: int = 1, *, tokens=None, salt=None):
         n_layers, n_kv, head_dim = kv_geometry(config)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         odd = sorted({t for t in (getattr(text, "layer_types", None) or [])
@@ -333,6 +341,17 @@ class FerroxCache(Cache):
             raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if tokens is not None:
+            if batch_size != 1:
+                raise ValueError("tokens= (prefix reuse) is for a batch of 1; "
+                                 f"got batch_size={batch_size}")
+            if pool is None:
+                raise ValueError("tokens= needs a pool with a prefix cache: "
+                                 "KvBlockPool(..., prefix_cache=True)")
+            tokens = [int(t) for t in (tokens.reshape(-1).tolist() if hasattr(tokens, "reshape")
+                                       else tokens)]
+        self._tokens = tokens
+        self.salt = salt
         self._closed = False
         self.config = config
         self.pool = pool
@@ -360,8 +379,10 @@ class FerroxCache(Cache):
 
     def _new_caches(self, count):
         if self.pool is not None:
+            tokens, self._tokens = self._tokens, None      # the first sequence only
             return KvCache.with_pool_many(count, self.n_kv_heads, self.head_dim, self.pool,
-                                          self.max_seq_len)
+                                          self.max_seq_len, tokens=tokens,
+                                          salt=self.salt if tokens is not None else None)
         if self.max_seq_len is not None:
             return [KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len)
                     for _ in range(count)]
@@ -453,6 +474,26 @@ class FerroxCache(Cache):
             raise ValueError(f"{len(keep)} indices for a batch of {have}")
         self._reorder_layers(self.layers, keep)
         self._shrink_batch(len(keep))
+
+    def publish(self, token_ids) -> int:
+        """Publish what this cache computed (batch 1): ``token_ids`` are the
+        ids of the positions it holds, prompt and generated; the output of
+        ``generate`` (one id more, the last sampled token, which has no K/V
+        yet) is accepted too. The next request whose prompt starts with them
+        (same ``salt``) reuses the blocks. Returns the positions published."""
+        self._check_open()
+        if self.pool is None:
+            raise ValueError("publish needs a pool with a prefix cache")
+        if self.batch_size != 1:
+            raise ValueError(f"publish is for a batch of 1; this cache holds {self.batch_size}")
+        ids = [int(t) for t in (token_ids.reshape(-1).tolist() if hasattr(token_ids, "reshape")
+                                else token_ids)]
+        have = self.get_seq_length()
+        if len(ids) not in (have, have + 1):
+            raise ValueError(f"publish got {len(ids)} token ids for a cache holding {have} "
+                             "positions (pass the ids of those positions, or generate's output)")
+        return self.pool.publish([layer.seqs[0] for layer in self.layers], ids[:have],
+                                 salt=self.salt)
 
     @property
     def batch_size(self) -> int:

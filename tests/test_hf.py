@@ -550,3 +550,65 @@ def test_other_attention_implementations_warn_once_naming_the_fast_path(monkeypa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _gen(m, _prompt(5), FerroxCache(cfg), max_new_tokens=3)     # once per process
+
+
+# -- prefix reuse --------------------------------------------------------------------
+
+def _prefix_pool(model, blocks=256, block_size=4):
+    _, h, d = kv_geometry(model.config)
+    return KvBlockPool(block_size, blocks, h, d, prefix_cache=True)
+
+
+def test_a_chat_reuses_its_history_prefills_only_the_rest_and_is_identical(model, monkeypatch):
+    pool = _prefix_pool(model)
+    layers = model.config.num_hidden_layers
+    history = _prompt(13, seed=40)
+    fed = []
+    orig = FerroxLayer.update
+
+    def spy(self, k, v, *a, **kw):
+        if self.layer_idx == 0:
+            fed.append(k.shape[2])
+        return orig(self, k, v, *a, **kw)
+
+    monkeypatch.setattr(FerroxLayer, "update", spy)
+    kw = dict(max_new_tokens=8, output_logits=True, return_dict_in_generate=True)
+    published = 0
+    for turn in range(3):
+        ref = _reference(model, history, **kw)                  # from scratch, no reuse
+        with FerroxCache(model.config, pool=pool, max_seq_len=history.shape[1] + 8,
+                         tokens=history[0]) as cache:
+            reused = cache.get_seq_length()
+            assert reused == min(published, (history.shape[1] - 1) // 4 * 4) and (reused or not turn)
+            fed.clear()
+            got = _gen(model, history, cache, **kw)
+            assert fed[0] == history.shape[1] - reused          # only the rest was prefilled
+            assert torch.equal(ref.sequences, got.sequences)
+            for r, g in zip(ref.logits, got.logits):
+                assert (g - r).abs().max() <= 1e-4 * r.abs().max()
+            published = cache.publish(got.sequences[0])
+        history = torch.cat([got.sequences, _prompt(5, seed=41 + turn)], dim=1)
+    s = pool.stats()
+    assert s["prefix_hits"] == 2 and s["prefix_misses"] == 1 and s["used_blocks"] == 0
+    assert s["cached_blocks"] > 0
+    pool.check()
+
+
+def test_prefix_reuse_arguments_are_checked(model):
+    pool = _prefix_pool(model)
+    with pytest.raises(ValueError, match="batch of 1"):
+        FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2, tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="prefix_cache=True"):
+        FerroxCache(model.config, pool=_pool_for(model, 64), max_seq_len=16, tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="needs a pool"):
+        FerroxCache(model.config, max_seq_len=16, tokens=[1, 2, 3])
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=16, tokens=[1, 2, 3])
+    _gen(model, torch.tensor([[1, 2, 3]]), cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="4 positions"):
+        cache.publish([1, 2])
+    assert cache.publish([1, 2, 3, 5]) == 4
+    cache.close()
+    with pytest.raises(ValueError, match="closed"):
+        cache.publish([1, 2, 3, 5])
+    pool.check()
+    assert pool.used_blocks == 0
