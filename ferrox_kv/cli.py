@@ -107,12 +107,12 @@ def info_lines():
         lines.append(f"  build              {kind}")
         lines.append(f"  compiler           {b['compiler'] or 'unknown'}")
         lines.append(f"  compile flags      {b['flags'] or 'not recorded (built without -g)'}")
-    lines += [f"  attention SIMD     {ferrox_kv.simd_path()} (simd_path)",
-              f"  GIL release        copies of >= {ferrox_kv.gil_release_threshold()} bytes "
-              "per call (gil_release_threshold)",
-              f"  GIL release        attention over >= "
-              f"{ferrox_kv.attend_gil_release_threshold()} context bytes per call "
-              "(attend_gil_release_threshold)"]
+    lines += [f"  attention SIMD     {ferrox_kv.simd_path()}   [simd_path()]",
+              f"  GIL released for   copies of >= {ferrox_kv.gil_release_threshold()} bytes "
+              "per call   [gil_release_threshold()]",
+              f"  GIL released for   attention over >= "
+              f"{ferrox_kv.attend_gil_release_threshold()} context bytes per call   "
+              "[attend_gil_release_threshold()]"]
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
