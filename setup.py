@@ -39,6 +39,8 @@ if DEBUG:
 else:
     compile_args = ["-O3"]
     link_args = []
+BUILD = (("debug, AddressSanitizer" if DEBUG else "release") + ": " + " ".join(compile_args)
+         + (", Cython bounds checks" if BOUNDSCHECK else ""))
 
 extensions = [
     Extension(
@@ -47,7 +49,8 @@ extensions = [
         depends=sorted(glob.glob("ferrox_kv/*.pxi") + glob.glob("ferrox_kv/*.h")
                        + ["ferrox_kv/_core.pxd"]),
         include_dirs=[numpy.get_include(), "ferrox_kv"],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION"),
+                       ("FERROX_KV_BUILD", '"' + BUILD + '"')],     # _core.build_info()
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )

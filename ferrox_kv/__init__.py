@@ -5,12 +5,27 @@ process that request threads share (paged, PagedAttention-style allocation
 with admission control). The core is Cython over raw ``float*``; copies run
 without the GIL where that pays.
 """
+import os as _os
+
+try:
+    import ferrox_kv._core  # noqa: F401  (the compiled core)
+except ModuleNotFoundError as _e:
+    if _e.name != "ferrox_kv._core":
+        raise
+    raise ImportError(
+        f"ferrox_kv is being imported from {_os.path.dirname(_os.path.abspath(__file__))}, "
+        "a source tree whose compiled core (ferrox_kv._core) is not built. python -m and "
+        "python -m pytest put the current directory first on sys.path: run them from "
+        "outside the checkout, use the installed `ferrox-kv` command or plain `pytest`, or "
+        "build in place with `python setup.py build_ext --inplace`.") from None
+
 from ferrox_kv._core import (
     KvBlockPool,
     KvCache,
     KvPoolExhausted,
     attend_gil_release_threshold,
     attend_many,
+    build_info,
     gil_release_threshold,
     push_layers,
     set_attend_gil_release_threshold,
@@ -26,6 +41,7 @@ __all__ = [
     "KvPoolExhausted",
     "attend_gil_release_threshold",
     "attend_many",
+    "build_info",
     "gil_release_threshold",
     "push_layers",
     "set_attend_gil_release_threshold",

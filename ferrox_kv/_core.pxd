@@ -12,6 +12,8 @@ cdef extern from "<pthread.h>" nogil:
 
 
 cdef extern from "_fx.h" nogil:
+    const char* fx_build_flags
+    const char* fx_compiler
     pthread_mutex_t fx_registry_lock
     int fx_constant_hash
     bint fx_try_claim(int* flag)

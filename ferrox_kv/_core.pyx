@@ -65,6 +65,12 @@ cdef Py_ssize_t _gil_release_bytes = 131072
 cdef size_t _MAX_BYTES = <size_t>0x7fffffffffffffff
 
 
+def build_info():
+    """How this extension was built: ``{"build": ..., "compiler": ...}``
+    (release or the AddressSanitizer debug build, with its flags)."""
+    return {"build": fx_build_flags.decode(), "compiler": fx_compiler.decode()}
+
+
 def gil_release_threshold():
     """Bytes copied per call at or above which the copy runs without the GIL."""
     return _gil_release_bytes

@@ -8,6 +8,19 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
+/* How this extension was built (setup.py defines FERROX_KV_BUILD). */
+#ifndef FERROX_KV_BUILD
+#define FERROX_KV_BUILD "unknown"
+#endif
+static const char *fx_build_flags = FERROX_KV_BUILD;
+#if defined(__clang__)
+static const char *fx_compiler = "clang " __clang_version__;
+#elif defined(__GNUC__)
+static const char *fx_compiler = "gcc " __VERSION__;
+#else
+static const char *fx_compiler = "unknown";
+#endif
+
 /* The registry of live pools (fork handling); pool locks are taken after it. */
 static pthread_mutex_t fx_registry_lock = PTHREAD_MUTEX_INITIALIZER;
 

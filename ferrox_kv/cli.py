@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
-import struct
 import sys
 
 
@@ -30,64 +28,6 @@ def _dist_version(name):
         return None
 
 
-def _elf_sections(path):
-    """{name: bytes} of the sections of a 64-bit little-endian ELF file that
-    ``info`` reads (.comment, .dynstr, .dynamic, .debug_str,
-    .debug_line_str); {} for anything else (another format, another OS)."""
-    wanted = {".comment", ".dynstr", ".dynamic", ".debug_str", ".debug_line_str"}
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return {}
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return {}
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    if shoff == 0 or shnum == 0 or shoff + shnum * shentsize > len(data):
-        return {}
-
-    def header(i):
-        # name, type, flags, addr, offset, size
-        name, _, flags, _, off, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
-        return name, flags, off, size
-
-    _, _, str_off, str_size = header(shstrndx)
-    names = data[str_off:str_off + str_size]
-    out = {}
-    for i in range(shnum):
-        name_off, flags, off, size = header(i)
-        name = names[name_off:names.index(b"\0", name_off)].decode("ascii", "replace")
-        if name in wanted and not flags & 0x800:      # skip SHF_COMPRESSED sections
-            out[name] = data[off:off + size]
-    return out
-
-
-def build_info(so_path):
-    """What the compiled extension says about its own build, read from its
-    ELF sections: the compiler (``.comment``), the compiler's command-line
-    flags as recorded in the debug info (``DW_AT_producer``, present when it
-    was built with -g, as CPython's default CFLAGS do), and whether it links
-    AddressSanitizer (a ``libasan`` entry among its needed libraries: the
-    debug build). Values are None where the file does not say."""
-    sec = _elf_sections(so_path)
-    info = {"compiler": None, "flags": None, "asan": None}
-    if not sec:
-        return info
-    comment = sec.get(".comment", b"").split(b"\0")
-    comment = [c.decode("utf-8", "replace") for c in comment if c]
-    if comment:
-        info["compiler"] = "; ".join(dict.fromkeys(comment))
-    for name in (".debug_str", ".debug_line_str"):
-        m = re.search(rb"GNU C[^\0]*", sec.get(name, b""))
-        if m:
-            info["flags"] = m.group(0).decode("utf-8", "replace")
-            break
-    if ".dynstr" in sec:
-        info["asan"] = b"libasan" in sec[".dynstr"]
-    return info
-
-
 def info_lines():
     import numpy as np
 
@@ -97,16 +37,9 @@ def info_lines():
     lines = [f"ferrox_kv {ferrox_kv.__version__}",
              f"  installed at       {os.path.dirname(os.path.abspath(ferrox_kv.__file__))}",
              f"  extension          {os.path.basename(_core.__file__)}"]
-    b = build_info(_core.__file__)
-    if b["asan"] is None and b["compiler"] is None:
-        lines.append("  build              unknown (the extension is not an ELF file this "
-                     "command can read)")
-    else:
-        kind = ("debug, AddressSanitizer (FERROX_KV_DEBUG=1)" if b["asan"] else
-                "release (no AddressSanitizer)")
-        lines.append(f"  build              {kind}")
-        lines.append(f"  compiler           {b['compiler'] or 'unknown'}")
-        lines.append(f"  compile flags      {b['flags'] or 'not recorded (built without -g)'}")
+    b = _core.build_info()
+    lines += [f"  build              {b['build']}",
+              f"  compiler           {b['compiler']}"]
     lines += [f"  attention SIMD     {ferrox_kv.simd_path()}   [simd_path()]",
               f"  GIL released for   copies of >= {ferrox_kv.gil_release_threshold()} bytes "
               "per call   [gil_release_threshold()]",
