@@ -125,3 +125,58 @@ def bench_hf(res, contexts, quick=False, log=print):
                 "ms/token", ms["static"] / ms["dynamic"], "DynamicCache",
                 logits_max_diff=diff["static"], **extra)
         assert pool.free_blocks == pool.total_blocks
+
+
+def bench_chat(res, quick=False, log=print):
+    """Prefill time of chat turns 2-4 with prefix reuse (the prompt's
+    published history is reused, only the rest is computed) against the same
+    FerroxCache path without a prefix cache, on the hf group's model."""
+    import torch
+
+    import ferrox_kv.hf  # noqa: F401
+    from ferrox_kv import KvBlockPool
+    from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
+
+    first, answer, user = (128, 8, 32) if quick else (512, 16, 64)
+    turns = 4
+    total = first + turns * (answer + user) + 16
+    cfg, model = make_model(total)
+    model.set_attn_implementation(ATTENTION)
+    layers, h, d = kv_geometry(cfg)
+    blocks = layers * (-(-total // 16)) * 3
+    gen = torch.Generator().manual_seed(5)
+    history = torch.randint(0, cfg.vocab_size, (1, first), generator=gen)
+    times = {"reuse": [], "plain": []}
+    prefix_pool = KvBlockPool(16, blocks, h, d, prefix_cache=True)
+    plain_pool = KvBlockPool(16, blocks, h, d)
+    with torch.no_grad():
+        for turn in range(1, turns + 1):
+            n = history.shape[1]
+            for kind, pool in (("reuse", prefix_pool), ("plain", plain_pool)):
+                best = float("inf")
+                for _ in range(2 if quick else 3):
+                    cache = FerroxCache(cfg, pool=pool, max_seq_len=n + answer + 1,
+                                        tokens=history[0] if kind == "reuse" else None)
+                    have = cache.get_seq_length()
+                    t0 = time.perf_counter()
+                    out = model(input_ids=history[:, have:], cache=cache, use_cache=True)
+                    best = min(best, time.perf_counter() - t0)
+                    if kind == "reuse":
+                        ids = [out.logits[:, -1:].argmax(-1)]
+                        for _ in range(answer - 1):
+                            ids.append(model(input_ids=ids[-1], cache=cache,
+                                             use_cache=True).logits[:, -1:].argmax(-1))
+                        answer_ids = torch.cat(ids, dim=1)
+                        cache.publish(torch.cat([history, answer_ids], dim=1)[0])
+                    cache.close()
+                if turn > 1:
+                    times[kind].append(best)
+            history = torch.cat([history, answer_ids,
+                                 torch.randint(0, cfg.vocab_size, (1, user), generator=gen)], 1)
+    reuse, plain = sum(times["reuse"]), sum(times["plain"])
+    log(f"chat prefill, turns 2-{turns}: with reuse {reuse * 1e3:.1f} ms, without "
+        f"{plain * 1e3:.1f} ms")
+    res.add("sharing", f"llama-{layers}L", "sharing.chat_prefill",
+            f"prefill of chat turns 2-{turns} with prefix reuse", reuse * 1e3, "ms",
+            reuse / plain, "no prefix cache", first_prompt=first, answer=answer, user=user)
+    prefix_pool.check()

@@ -884,6 +884,140 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch):
 # Group: memory
 # ---------------------------------------------------------------------------
 
+def bench_sharing(res, quick, reps):
+    """Block sharing: forks, prefix reuse, and what the prefix cache's
+    bookkeeping costs. 8 KV heads x 128, block size 16."""
+    h, d = 8, 128
+    w = h * d
+    g = "sharing"
+    bs = BLOCK_SIZE
+    rng = np.random.default_rng(20)
+
+    # 1. a parent and 8 forks, each decoding 64 positions
+    ctx, plan, kids = 2048, 2112, 8
+    pool = KvBlockPool(bs, (kids + 1) * (plan // bs + 1), h, d)
+    parent = KvCache.with_pool(h, d, pool, plan)
+    parent.advance_len(ctx)
+    alone = pool.used_blocks
+    forks = [parent.fork() for _ in range(kids)]
+    step = _rows(1, w, 21)[0]
+    for c in [parent] + forks:
+        for _ in range(plan - ctx):
+            c.push(step, step)
+    held = pool.used_blocks
+    res.add(g, "8x128", "sharing.fork_blocks", f"blocks held: parent of {ctx} + {kids} forks, "
+            f"each +{plan - ctx}", held, "blocks", held / alone, "parent alone",
+            unshared=(kids + 1) * alone / alone)
+    for c in forks + [parent]:
+        c.close()
+    pool.check()
+
+    # 2. 16 requests: a shared 1024-token prefix and 64 tokens of their own
+    n_req, prefix, own = 16, 1024, 64
+    per = -(-(prefix + own) // bs)
+    pool = KvBlockPool(bs, n_req * per, h, d, prefix_cache=True)
+    system = rng.integers(0, 32000, prefix).tolist()
+    live = []
+    for i in range(n_req):
+        toks = system + rng.integers(0, 32000, own).tolist()
+        c = KvCache.with_pool(h, d, pool, prefix + own, tokens=toks)
+        c.advance_len(len(toks) - c.seq_len)
+        pool.publish([c], toks)
+        live.append(c)
+    used = pool.used_blocks
+    res.add(g, "8x128", "sharing.prefix_blocks", f"blocks in use: {n_req} requests, shared "
+            f"{prefix}-token prefix + {own} own", used, "blocks", used / (n_req * per),
+            "unshared")
+    for c in live:
+        c.close()
+    pool.check()
+
+    # 3. a full hit on 32 layers against extending the same rows
+    layers, n_tok = (8, 1024) if quick else (32, 4096)
+    per = -(-n_tok // bs) + 1
+    pool = KvBlockPool(bs, 2 * layers * per, h, d, prefix_cache=True)
+    toks = rng.integers(0, 32000, n_tok).tolist()
+    ks, vs = _rows(n_tok, w, 22), _rows(n_tok, w, 23)
+    first = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1, tokens=toks)
+    for c in first:
+        c.extend(ks, vs)
+    pool.publish(first, toks)
+
+    def hit(_):
+        got = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1, tokens=toks)
+        assert got[0].seq_len == (n_tok - 1) // bs * bs
+        for c in got:
+            c.close()
+
+    def extend(_):
+        got = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1)
+        for c in got:
+            c.extend(ks, vs)
+        for c in got:
+            c.close()
+
+    best = best_of([("hit", lambda: None, hit), ("extend", lambda: None, extend)], reps)
+    res.add(g, "8x128", "sharing.hit_vs_extend", f"with_pool_many({layers} layers, tokens="
+            f"{n_tok} ids), full hit", best["hit"] * 1e3, "ms", best["hit"] / best["extend"],
+            f"extend into {layers} layers", layers=layers, tokens=n_tok)
+    for c in first:
+        c.close()
+    pool.check()
+
+    # 4. bookkeeping at a 0% hit rate: lookup + publish of 512 tokens, 32 layers.
+    #    lookup = reserving with tokens= minus reserving without; publish timed
+    #    alone on caches that already hold the rows; both against extend.
+    layers, n_tok, loops = (8, 512, 20) if quick else (32, 512, 50)
+    per = -(-n_tok // bs) + 1
+    pool = KvBlockPool(bs, 4 * layers * per, h, d, prefix_cache=True)
+    ks, vs = _rows(n_tok, w, 24), _rows(n_tok, w, 25)
+    seeds = iter(range(10**6))
+
+    def token_lists():
+        return [np.random.default_rng(next(seeds)).integers(0, 2**31 - 1, n_tok).tolist()
+                for _ in range(loops)]
+
+    def reserve(lists):
+        for toks in lists:
+            for c in KvCache.with_pool_many(layers, h, d, pool, n_tok + 1, tokens=toks):
+                c.close()
+
+    def reserve_plain(lists):
+        for _ in lists:
+            for c in KvCache.with_pool_many(layers, h, d, pool, n_tok + 1):
+                c.close()
+
+    def filled_caches():
+        got = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1)
+        for c in got:
+            c.advance_len(n_tok)
+        return got, token_lists()[0]
+
+    def publish(state):
+        pool.publish(*state)
+        for c in state[0]:
+            c.close()
+
+    def extend_only(_):
+        got = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1)
+        for c in got:
+            c.extend(ks, vs)
+        for c in got:
+            c.close()
+
+    best = best_of([("lookup", token_lists, reserve), ("plain", token_lists, reserve_plain),
+                    ("publish", filled_caches, publish), ("extend", lambda: None, extend_only)],
+                   reps * 2)
+    lookup = max(best["lookup"] - best["plain"], 0.0) / loops
+    cost = lookup + best["publish"]
+    res.add(g, "8x128", "sharing.bookkeeping", f"lookup + publish of {n_tok} new tokens, "
+            f"{layers} layers", cost * 1e6, "us", cost / best["extend"],
+            f"extend {n_tok} into {layers} layers", layers=layers,
+            lookup_us=lookup * 1e6, publish_us=best["publish"] * 1e6)
+    assert pool.stats()["prefix_hits"] == 0
+    pool.check()
+
+
 def _rss():
     try:
         with open("/proc/self/statm") as f:
@@ -988,6 +1122,15 @@ def _group_attention(r):
                         chunk, torch if r.torch_ok else None)
 
 
+def _group_sharing(r):
+    _log("sharing: forks, prefix reuse, bookkeeping")
+    bench_sharing(r.res, r.quick, r.reps)
+    if r.hf_ok:
+        from ferrox_kv import _bench_hf
+        with _Torch1():
+            _bench_hf.bench_chat(r.res, quick=r.quick, log=_log)
+
+
 def _group_memory(r):
     _log("memory")
     bench_memory(r.res, r.geos[0])
@@ -1022,6 +1165,8 @@ GROUPS = {g.slug: g for g in [
           _group_decode, hf_rows="the decode rows of DynamicCache.update"),
     Group("attention", "decode attention, 32 query / 8 KV heads x 128, 1 torch thread",
           _group_attention, torch_rows="the attention rows against torch SDPA"),
+    Group("sharing", "forks, prefix reuse and the prefix cache's bookkeeping",
+          _group_sharing, hf_rows="the chat-turn prefill row of the sharing group"),
     Group("memory", "what a pool costs in resident memory", _group_memory),
     Group("hf", "decode step of a 2-layer Llama, FerroxCache vs DynamicCache, 1 torch thread",
           _group_hf, needs_hf=True),
@@ -1162,6 +1307,22 @@ def _static_targets(res):
                "info", None, {"geometry": "wide", "threads": 2}),
         Target("  hardware: 2 threads C copy floor, cached (32x128)", "threads.floor.cached",
                "info", None, {"geometry": "wide", "threads": 2}),
+        Target("blocks held by a parent + 8 forks vs the parent alone",
+               "sharing.fork_blocks", "<=", 1.3, {},
+               "each fork shares the full blocks and reserves its own plan beyond them"),
+        Target("blocks in use, 16 requests sharing a 1024-token prefix vs unshared",
+               "sharing.prefix_blocks", "<=", 0.15, {},
+               "the shared prefix is held once; each request reserves its own 64 positions"),
+        Target("with_pool_many on a full prefix hit vs extend of those rows",
+               "sharing.hit_vs_extend", "<=", 0.05, {},
+               "a hit moves block ids under the pool lock; extend copies every row"),
+        Target("prefix bookkeeping (lookup + publish) at a 0% hit rate vs extend",
+               "sharing.bookkeeping", "<=", 0.02, {},
+               "hashing the tokens and indexing each block under the pool lock"),
+        Target("prefill of chat turns 2-4 with prefix reuse vs without",
+               "sharing.chat_prefill", "<=", 0.3, {},
+               "the reused history is not computed; the rest runs through the ferrox "
+               "kernel's causal path instead of SDPA's matrix products"),
     ]
 
 

@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
+
 try:
     import torch
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -89,6 +91,13 @@ def kv_geometry(config):
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     return cfg.num_hidden_layers, int(n_kv), int(head_dim)
+
+
+def _ids(tokens):
+    """Token ids as a 1-D numpy array (a torch tensor is read in place)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.detach().cpu().reshape(-1).numpy()
+    return np.asarray(tokens).reshape(-1)
 
 
 def _order(beam_idx, n):
@@ -348,8 +357,7 @@ class FerroxCache(Cache):
             if pool is None:
                 raise ValueError("tokens= needs a pool with a prefix cache: "
                                  "KvBlockPool(..., prefix_cache=True)")
-            tokens = [int(t) for t in (tokens.reshape(-1).tolist() if hasattr(tokens, "reshape")
-                                       else tokens)]
+            tokens = _ids(tokens)
         self._tokens = tokens
         self.salt = salt
         self._closed = False
@@ -486,8 +494,7 @@ class FerroxCache(Cache):
             raise ValueError("publish needs a pool with a prefix cache")
         if self.batch_size != 1:
             raise ValueError(f"publish is for a batch of 1; this cache holds {self.batch_size}")
-        ids = [int(t) for t in (token_ids.reshape(-1).tolist() if hasattr(token_ids, "reshape")
-                                else token_ids)]
+        ids = _ids(token_ids)
         have = self.get_seq_length()
         if len(ids) not in (have, have + 1):
             raise ValueError(f"publish got {len(ids)} token ids for a cache holding {have} "
