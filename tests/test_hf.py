@@ -42,12 +42,13 @@ def _mistral():
 MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral}
 
 
-@pytest.fixture(scope="module", params=["llama-sdpa", "llama-ferrox", "qwen2-sdpa",
-                                        "qwen2-ferrox", "mistral-ferrox"])
+@pytest.fixture(scope="module", params=["llama-sdpa", "llama-ferrox", "qwen2-ferrox",
+                                        "mistral-ferrox"])
 def model(request):
-    """A tiny random model; "-ferrox" ones read FerroxCache in place, "-sdpa"
-    ones get the K/V handed over (the gathering path). References always run
-    DynamicCache with SDPA on the same weights."""
+    """A tiny random model; "-ferrox" ones read FerroxCache in place, the
+    "-sdpa" one gets the K/V handed over (the gathering path any other
+    attention implementation takes). References always run DynamicCache with
+    SDPA on the same weights."""
     name, impl = request.param.split("-")
     cfg, cls = MODELS[name]()
     torch.manual_seed(1234)

@@ -255,7 +255,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -389,5 +389,5 @@ class SharingMachine(RuleBasedStateMachine):
 
 
 TestSharingMachine = SharingMachine.TestCase
-TestSharingMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+TestSharingMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""The README's usage example runs as written."""
+"""The README's examples run as written."""
 import os
 import re
 
@@ -7,9 +7,24 @@ import pytest
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
-@pytest.mark.skipif(not os.path.exists(README), reason="README not beside the tests")
-def test_readme_threaded_pool_example_runs():
+def _block(marker):
     text = open(README).read()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    example = next(b for b in blocks if "push_layers(layers" in b)
-    exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
+    return next(b for b in blocks if marker in b)
+
+
+def test_readme_threaded_pool_example_runs(capsys):
+    exec(compile(_block("push_layers(layers"), "README.md", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    assert "served" in out and "refused" in out
+
+
+def test_readme_transformers_example_runs_and_reuses_the_prompt(capsys):
+    pytest.importorskip("transformers")
+    exec(compile(_block("FerroxCache(model.config"), "README.md", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out.splitlines()
+    first, second = out[0], out[1]
+    assert first.startswith("turn 0: reused 0 positions") and second.startswith(
+        "turn 1: reused 32 positions")
+    assert first.split("new tokens")[1] == second.split("new tokens")[1]    # the same ids
+    assert out[2] == "1 prefix hit, 0 blocks in use"
