@@ -1,35 +1,37 @@
 /* _attn.h -- causal scaled-dot-product attention (float32, grouped-query
  * heads) of q_len query positions against one sequence's K/V rows, read in
  * place from a contiguous or paged cache.  Header-only, every symbol static:
- * #include it into exactly the translation unit that calls it.
+ * #include it into the translation unit that calls it.
  *
  * Rules the code follows
  *   - One pass over the visible rows with an online softmax (running max m,
- *     running sum l, output rescaled once per chunk when m grows).  Scores
- *     are kept in base 2: q is pre-multiplied by scale*log2(e), so
- *     p = 2^(s - m).  Every exponent argument is <= 0 (the max is subtracted
- *     first), so scores of any magnitude cannot overflow or give NaN.
- *   - The context is walked in chunks of FX_ATTN_CHUNK rows described by
- *     per-row pointers (so contiguous and paged caches share one path, and a
- *     chunk may straddle blocks).  Per chunk and kv head: scores for a tile
- *     of <= 4 query vectors (all query heads of the group and, for q_len > 1,
- *     several positions), chunk max, one rescale, then p.V.  Each K/V row
- *     slice is loaded once per tile, not once per query head.
- *   - The output buffer is the accumulator (zeroed, rescaled, finally divided
- *     by l), so nothing of context size is allocated.  Scratch holds the
- *     scaled queries, m, l and one tile of scores: see
- *     fx_attend_scratch_floats().  No allocation, no libc calls besides
+ *     running sum l; accumulators rescaled once per chunk, only when m
+ *     grows).  Scores are kept in base 2: q is pre-multiplied by
+ *     scale*log2(e), so p = 2^(s - m).  Every exponent argument is <= 0 (the
+ *     max is subtracted first), so scores of any magnitude cannot overflow
+ *     or give NaN.
+ *   - Rows are walked in chunks of FX_ATTN_CHUNK described by per-row
+ *     pointers, so contiguous and paged caches share one path and a chunk
+ *     may straddle blocks.  Query vectors sharing a kv head are processed
+ *     in tiles of 4 (GQA heads of one position, or several positions):
+ *     each K/V vector loaded feeds 4 queries.  See fx_attend for the loop
+ *     nest.
+ *   - Nothing of context size is allocated: the caller's scratch
+ *     (fx_attend_scratch_floats) holds scaled queries, accumulators, m, l
+ *     and one chunk of scores.  No allocation, no libc calls besides
  *     memset/memcpy: safe to call without the GIL.
- *   - SIMD through 8-lane vector helpers (GCC/clang vector extensions,
- *     portable: SSE2 baseline, AVX on x86-64-v3, NEON elsewhere; a plain C
- *     struct fallback for other compilers).  On x86-64 glibc with gcc >= 11
- *     fx_attend() alone carries target_clones("arch=x86-64-v3","default"):
- *     the helpers are always_inline, so each clone gets its own copy of the
- *     whole loop nest.  Do not put target attributes on the helpers (that
- *     stops them inlining).
- *   - The result depends on floating-point contraction: GNU C's default
- *     -ffp-contract=fast turns a*b+c into FMA in the v3 clone.  Do not build
- *     with -ffast-math (not needed, not tested).
+ *   - SIMD through 8-lane vector helpers (GCC/clang vector extensions:
+ *     SSE2 on the x86-64 baseline, AVX2+FMA in the x86-64-v3 clone, NEON on
+ *     aarch64; a plain C fallback for other compilers).  On x86-64 glibc
+ *     with gcc >= 11, fx_attend() alone carries
+ *     target_clones("arch=x86-64-v3", "default"); every helper is
+ *     always_inline, so each clone gets its own copy of the whole loop nest.
+ *     Never put target attributes on the helpers (that stops them
+ *     inlining), and never pass a vector to a function that is not inlined
+ *     (the ABI differs between the clones).
+ *   - The speed depends on floating-point contraction: GNU C's default
+ *     -ffp-contract=fast turns a*b+c into FMA in the v3 clone (ISO modes,
+ *     -std=c99/c11, turn it off).  Do not build with -ffast-math.
  */
 #ifndef FX_ATTN_H
 #define FX_ATTN_H
@@ -41,24 +43,27 @@
 #include <math.h>
 #endif
 
-/* ---- tuning knobs (compile-time) ------------------------------------- */
-#ifndef FX_ATTN_CHUNK          /* rows per chunk; multiple of 8, <= 256 */
+/* ---- tuning knobs (compile-time; defaults measured, see REPORT.md) ---- */
+#ifndef FX_ATTN_CHUNK      /* rows per chunk: multiple of 8 in [8, 256] */
 #define FX_ATTN_CHUNK 48
 #endif
-#ifndef FX_ATTN_QBLOCK         /* query vectors (positions x heads) per pass */
-#define FX_ATTN_QBLOCK 64
+#ifndef FX_ATTN_QBLOCK     /* query vectors (positions x query heads) per pass */
+#define FX_ATTN_QBLOCK 256
 #endif
-#ifndef FX_ATTN_PREFETCH       /* software prefetch (locality 1..3), 0: none */
-#define FX_ATTN_PREFETCH 0
+#ifndef FX_ATTN_PACK_MIN   /* pack K/V slices when more query vectors share a kv head */
+#define FX_ATTN_PACK_MIN 32
 #endif
-#ifndef FX_ATTN_RGA
+#ifndef FX_ATTN_RGA        /* unpacked: rows per group in the score phase */
 #define FX_ATTN_RGA 24
 #endif
-#ifndef FX_ATTN_RGC
+#ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
 #define FX_ATTN_RGC 8
 #endif
 #if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
 #error "FX_ATTN_CHUNK must be a multiple of 8 in [8, 256]"
+#endif
+#if FX_ATTN_RGA < 1 || FX_ATTN_RGC < 1
+#error "FX_ATTN_RGA and FX_ATTN_RGC must be positive"
 #endif
 
 /* ---- public types ----------------------------------------------------- */
@@ -108,10 +113,11 @@ typedef struct {
 #define FX_CLONES
 #endif
 
+#if defined(__GNUC__) || defined(__clang__)
 #define FX_NEG_INF (-__builtin_inff())
-#if !(defined(__GNUC__) || defined(__clang__))
-#undef FX_NEG_INF
-#define FX_NEG_INF (-(float)(1e300 * 1e300))
+#else
+#include <math.h>
+#define FX_NEG_INF (-INFINITY)
 #endif
 
 /* ---- 8-lane float vector helpers --------------------------------------
@@ -146,7 +152,7 @@ typedef int32_t fxa_v4i __attribute__((vector_size(16)));
     const fxa_v8 a_ = (a), b_ = (b);                                     \
     const fxa_v8i lt_ = a_ < b_;                                         \
     (fxa_v8)(((fxa_v8i)a_ & ~lt_) | ((fxa_v8i)b_ & lt_)); })
-/* v where base <= base+lane < hi and base+lane >= lo, else -inf */
+/* lane j of v where lo <= base + j < hi, else -inf */
 #define fxa_mask_range(v, base, lo, hi) __extension__({                                        \
     const fxa_v8 i_ = fxa_splat((float)(base)) + (fxa_v8){0, 1, 2, 3, 4, 5, 6, 7};               \
     const fxa_v8i k_ = (i_ >= fxa_splat((float)(lo))) & (i_ < fxa_splat((float)(hi)));          \
@@ -177,8 +183,8 @@ typedef int32_t fxa_v4i __attribute__((vector_size(16)));
     x_ = fxa_max4(x_, FX_SHUF4(x_, x_, 1, 0, 3, 2));                     \
     x_[0]; })
 /* out[i] = sum of the lanes of a[i], i < 8: three rounds of pairwise adds
-   within 128-bit halves (hadd pattern), then the halves; 21 instructions on
-   AVX, and the SSE2 lowering stays in registers. */
+   within 128-bit halves (the hadd pattern), then the two halves: 21
+   instructions with AVX. */
 #define FX_HADD8(a, b) (FX_SHUF8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + FX_SHUF8(a, b, 1, 3, 9, 11, 5, 7, 13, 15))
 FX_INLINE void fxa_hsum8x8(const fxa_v8 *a, float *out)
 {
@@ -193,7 +199,7 @@ FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
     memcpy(out, &s, sizeof s);
 }
 /* 2^y for y <= 0 (relative error < 1e-7).  y < -125 (and -inf, NaN) gives
-   exactly 0, so no result is denormal.  y = n + f, n = round(y); 2^f =
+   exactly 0, so no result is denormal (a NaN score thus drops its row).  y = n + f, n = round(y); 2^f =
    e^(f ln2) by the Cephes expf polynomial on |f ln2| <= ln2/2; 2^n is built
    in the exponent field.  Same steps as the scalar fxa_exp2f below. */
 #define fxa_exp2(y) __extension__({                                                    \
@@ -283,19 +289,6 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, ptrdiff_t c0, int n, fxa_rows *c)
     }
 }
 
-/* Prefetch rows [r0, r1) of a chunk (floats [0, len) of each row) toward L2. */
-FX_INLINE void fxa_prefetch_rows(const float *const *rows, int r0, int r1, size_t len)
-{
-#if FX_ATTN_PREFETCH && (defined(__GNUC__) || defined(__clang__))
-    int r;
-    size_t b;
-    for (r = r0; r < r1; r++)
-        for (b = 0; b < len * sizeof(float); b += 64) __builtin_prefetch((const char *)rows[r] + b, 0, FX_ATTN_PREFETCH);
-#else
-    (void)rows; (void)r0; (void)r1; (void)len;
-#endif
-}
-
 /* s[t*FX_CS + r] = q_t . k_r for a T x R tile (T*R == 12); q_t = q + t*hd,
    k_r = k[r] + koff.  12 independent accumulators (8 would leave the FMA
    latency exposed); each K vector is loaded once for the T queries. */
@@ -351,7 +344,10 @@ FX_INLINE void fxa_pv_tile(const int T, float *o, int dv, const float *alpha, in
 {
     const int S = 12 / T; /* 12 accumulators per strip */
     int d = 0, t, r;
-    for (; d + 8 * S <= dv; d += 8 * S) fxa_pv_strip(T, S, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
+    /* strips of S vectors, but never leave a single vector (4 accumulators,
+       latency-bound) behind a full strip: S + 1 left go as strips of 2 */
+    for (; d + 8 * S <= dv && dv - d != 8 * (S + 1); d += 8 * S)
+        fxa_pv_strip(T, S, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
     for (; d + 16 <= dv; d += 16) fxa_pv_strip(T, 2, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
     for (; d + 8 <= dv; d += 8) fxa_pv_strip(T, 1, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
     for (; d < dv; d++)
@@ -381,8 +377,8 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
     for (r = 0; r < g0; r += 8) fxa_store(s + r, fxa_splat(0.0f));
     for (r = g1; r < n8; r += 8) fxa_store(s + r, fxa_splat(0.0f));
     /* only the end groups can hold invisible rows: -inf there gives p = 0 */
-    fxa_store(s + g0, fxa_mask_range(fxa_load(s + g0), g0, a, b));
-    fxa_store(s + g1 - 8, fxa_mask_range(fxa_load(s + g1 - 8), g1 - 8, a, b));
+    if (a > g0) fxa_store(s + g0, fxa_mask_range(fxa_load(s + g0), g0, a, b));
+    if (b < g1) fxa_store(s + g1 - 8, fxa_mask_range(fxa_load(s + g1 - 8), g1 - 8, a, b));
     for (r = g0; r < g1; r += 8) mx = fxa_max(mx, fxa_load(s + r));
     mc = fxa_hmax(mx);
     if (mc > *m) {
@@ -407,91 +403,140 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
     *l = *l * *alpha + fxa_hsum(sum);
 }
 
-/* Query vectors of one pass are numbered group-major: i = g*nvg + pos*G + jj
-   (kv head g, position pos within the pass, head jj within the group), so
-   the vectors sharing a kv head are consecutive.  Tiles are runs of 4 (then
-   2, 1) consecutive vectors of one group. */
+/* Query vectors of one pass are numbered kv-head-major: i = h*nvg + pos*G + jj
+   (h-th kv head of the pass, position pos within the pass, query head jj
+   within the group), so the vectors sharing a kv head are consecutive.
+   Tiles are runs of 4 (then 2, 1) consecutive vectors of one kv head. */
 #define FX_TILE_T(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
 
-/* Phase A of a chunk: scores of every tile for rows [r, r1) of the chunk. */
-FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, const fxa_rows *c, int r, int r1,
-                               const float *qs, float *sc, const float *fa, const float *fb)
+/* Rows [ua, ub) of the chunk that some vector of tile i0 .. i0+T-1 sees
+   (ua >= ub: none). */
+FX_INLINE void fxa_tile_rows(const float *fa, const float *fb, ptrdiff_t i0, int T, int *ua, int *ub)
+{
+    int t;
+    *ua = FX_C;
+    *ub = 0;
+    for (t = 0; t < T; t++)
+        if (fa[i0 + t] < fb[i0 + t]) {
+            *ua = (int)fa[i0 + t] < *ua ? (int)fa[i0 + t] : *ua;
+            *ub = (int)fb[i0 + t] > *ub ? (int)fb[i0 + t] : *ub;
+        }
+}
+
+/* Phase A: scores of every tile of nh kv heads (nvg vectors each, the
+   first one numbered i1) for rows [r, r1) of the chunk.  The slice of the
+   h-th of these heads is at c->k[row] + koff0 + h*head_dim. */
+FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t koff0,
+                               const fxa_rows *c, int r, int r1, const float *qs, float *sc, const float *fa,
+                               const float *fb)
 {
     const int hd = a->head_dim;
-    int g;
-    for (g = 0; g < a->n_kv_heads; g++) {
-        const size_t koff = (size_t)g * (size_t)hd;
-        ptrdiff_t i0 = g * nvg;
-        while (i0 < (g + 1) * nvg) {
-            const int T = FX_TILE_T((g + 1) * nvg - i0), R = 12 / T;
-            int t, ua = FX_C, ub = 0, rr;
-            for (t = 0; t < T; t++)
-                if (fa[i0 + t] < fb[i0 + t]) {
-                    ua = (int)fa[i0 + t] < ua ? (int)fa[i0 + t] : ua;
-                    ub = (int)fb[i0 + t] > ub ? (int)fb[i0 + t] : ub;
-                }
+    int h;
+    for (h = 0; h < nh; h++) {
+        const size_t koff = koff0 + (size_t)h * (size_t)hd;
+        const ptrdiff_t iend = i1 + (h + 1) * nvg;
+        ptrdiff_t i0;
+        for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
+            const int T = FX_TILE_T(iend - i0), R = 12 / T;
+            const float *q = qs + (size_t)i0 * hd;
+            int ua, ub, rr;
+            fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
             ua = ua > r ? ua : r;
             ub = ub < r1 ? ub : r1;
             for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
-                const float *q = qs + (size_t)i0 * hd;
                 float *s = sc + (size_t)i0 * FX_CS + rr;
                 if (T == 4) fxa_qk_tile(4, 3, q, hd, c->k + rr, koff, s);
                 else if (T == 2) fxa_qk_tile(2, 6, q, hd, c->k + rr, koff, s);
                 else fxa_qk_tile(1, 12, q, hd, c->k + rr, koff, s);
             }
-            i0 += T;
         }
     }
 }
 
-/* Phase C of a chunk: acc += p.V for rows [r, r1) of the chunk, rescaling
-   each tile's accumulators by alpha in the row group holding its first row. */
-FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, const fxa_rows *c, int r, int r1, float *acc,
-                           const float *sc, const float *al, const float *fa, const float *fb)
+/* Phase C: acc += p.V for the same tiles and rows [r, r1), rescaling each
+   tile's accumulators by alpha in the row group that holds its first
+   visible row.  V slices at c->v[row] + voff0 + h*v_head_dim. */
+FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t voff0,
+                           const fxa_rows *c, int r, int r1, float *acc, const float *sc, const float *al,
+                           const float *fa, const float *fb)
 {
     const int dv = a->v_head_dim;
-    int g;
-    for (g = 0; g < a->n_kv_heads; g++) {
-        const size_t voff = (size_t)g * (size_t)dv;
-        ptrdiff_t i0 = g * nvg;
-        while (i0 < (g + 1) * nvg) {
-            const int T = FX_TILE_T((g + 1) * nvg - i0);
-            int t, ua = FX_C, ub = 0, lo, hi;
-            for (t = 0; t < T; t++)
-                if (fa[i0 + t] < fb[i0 + t]) {
-                    ua = (int)fa[i0 + t] < ua ? (int)fa[i0 + t] : ua;
-                    ub = (int)fb[i0 + t] > ub ? (int)fb[i0 + t] : ub;
-                }
+    int h;
+    for (h = 0; h < nh; h++) {
+        const size_t voff = voff0 + (size_t)h * (size_t)dv;
+        const ptrdiff_t iend = i1 + (h + 1) * nvg;
+        ptrdiff_t i0;
+        for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
+            const int T = FX_TILE_T(iend - i0);
+            float *o = acc + (size_t)i0 * dv;
+            const float *p = sc + (size_t)i0 * FX_CS, *alp = al + i0;
+            int ua, ub, lo, hi, first;
+            fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
             lo = ua > r ? ua : r;
             hi = ub < r1 ? ub : r1;
-            if (lo < hi) {
-                float *o = acc + (size_t)i0 * dv;
-                const float *p = sc + (size_t)i0 * FX_CS, *alp = al + i0;
-                const int first = ua >= r; /* this row group holds the tile's first visible row */
-                if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, voff, lo, hi);
-                else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, voff, lo, hi);
-                else fxa_pv_tile(1, o, dv, alp, first, p, c->v, voff, lo, hi);
-            }
-            i0 += T;
+            if (lo >= hi) continue;
+            first = ua >= r;
+            if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, voff, lo, hi);
+            else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, voff, lo, hi);
+            else fxa_pv_tile(1, o, dv, alp, first, p, c->v, voff, lo, hi);
         }
     }
 }
 
-/* Positions per pass: FX_ATTN_QBLOCK query vectors, at least one position. */
-static inline FX_UNUSED ptrdiff_t fxa_qblock(const fx_attn_args *a)
+/* Copy kv head g's K and V slices of the chunk's n rows into contiguous
+   buffers and point pk at them (padding entries repeat the last row). */
+FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kbuf, float *vbuf, fxa_rows *pk)
 {
-    ptrdiff_t qb = FX_ATTN_QBLOCK / a->n_heads;
-    if (qb < 1) qb = 1;
-    return qb < a->q_len ? qb : a->q_len;
+    int r;
+    for (r = 0; r < n; r++) {
+        memcpy(kbuf + (size_t)r * hd, c->k[r] + (size_t)g * hd, (size_t)hd * sizeof(float));
+        memcpy(vbuf + (size_t)r * dv, c->v[r] + (size_t)g * dv, (size_t)dv * sizeof(float));
+        pk->k[r] = kbuf + (size_t)r * hd;
+        pk->v[r] = vbuf + (size_t)r * dv;
+    }
+    for (r = n; r < FX_CP; r++) {
+        pk->k[r] = pk->k[n - 1];
+        pk->v[r] = pk->v[n - 1];
+    }
 }
 
-/* Floats of scratch fx_attend needs, for nv = (positions per pass) * n_heads
-   query vectors: scaled queries, output accumulators, one chunk of scores,
-   m, l, alpha and the visible row range of each vector. */
+/* Shape of a pass: nq query positions x nh kv heads (x G query heads),
+   about FX_ATTN_QBLOCK query vectors.  Everything in one pass when it fits;
+   else positions first (each K/V slice is then reused by more queries),
+   then kv heads. */
+static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq, int *nh)
+{
+    const int G = a->n_heads / a->n_kv_heads;
+    if ((ptrdiff_t)a->n_heads * a->q_len <= FX_ATTN_QBLOCK) {
+        *nq = a->q_len;
+        *nh = a->n_kv_heads;
+        return;
+    }
+    *nq = FX_ATTN_QBLOCK / G < 1 ? 1 : FX_ATTN_QBLOCK / G;
+    if (*nq > a->q_len) *nq = a->q_len;
+    *nh = (int)(FX_ATTN_QBLOCK / (*nq * G));
+    if (*nh < 1) *nh = 1;
+    if (*nh > a->n_kv_heads) *nh = a->n_kv_heads;
+}
+
+/* A kv head's K/V slices are packed into contiguous buffers when more than
+   FX_ATTN_PACK_MIN query vectors (8 tiles) of a pass share them. */
+#define FX_PACKS(nvg) ((nvg) > FX_ATTN_PACK_MIN)
+
+/* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
+   scaled queries, output accumulators, one chunk of scores, m, l, alpha and
+   the visible row range of each vector; plus one chunk of one head's K and
+   V when they are packed. */
 static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
 {
-    const size_t nv = (size_t)fxa_qblock(a) * (size_t)a->n_heads;
-    return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5);
+    ptrdiff_t nq;
+    int nh;
+    size_t nvg, nv;
+    fxa_pass_shape(a, &nq, &nh);
+    nvg = (size_t)nq * (size_t)(a->n_heads / a->n_kv_heads);
+    nv = nvg * (size_t)nh;
+    return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5) +
+           (FX_PACKS(nvg) ? (size_t)FX_C * ((size_t)a->head_dim + (size_t)a->v_head_dim) : 0);
 }
 
 /* q: (q_len, n_heads, head_dim); out: (q_len, n_heads, v_head_dim), both
@@ -499,101 +544,118 @@ static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
    max(start, window ? p-window+1 : 0) .. p; a query that sees no row gets
    zeros.  scratch: fx_attend_scratch_floats(a) floats, any contents.
 
-   Loop nest, per pass of query positions:
-     for each chunk of FX_C rows (visible to some query of the pass):
-       A  scores   for row groups of rg rows: for kv heads: for tiles
-       B  softmax  per query vector: chunk max, alpha, p, l
-       C  p.V      for row groups of rg rows: for kv heads: for tiles
-   With few query vectors (decode) rg = 8: K and V are read row after row
-   across all heads, in memory order (the hardware prefetcher streams it
-   and rows 4 KiB apart do not fight over L1 sets).  With many (prefill)
-   rg = FX_C: each tile's queries are reused over the whole chunk. */
+   Loop nest.  Passes over (block of query positions) x (block of kv heads),
+   see fxa_pass_shape; the pass keeps its queries, accumulators, m and l in
+   scratch, and walks the rows its queries see in chunks of FX_C rows:
+     up to FX_ATTN_PACK_MIN query vectors per kv head (decode, short q_len)
+       A  scores   for row groups of RGA rows: for kv heads: its tiles
+       B  softmax  every query vector: chunk max, alpha, p, l
+       C  p.V      for row groups of RGC rows: for kv heads: its tiles
+       K and V are read row after row across all heads, close to memory
+       order: the hardware prefetcher streams them, and a head's slices in
+       consecutive rows (4 KiB apart: same L1 sets) are never needed more
+       than a row group at a time.
+     more (prefill, MQA with G > 32)
+       for kv heads: pack the chunk's K and V slices contiguously, then
+       A, B, C over the whole chunk for every tile of the head (the packed
+       slices stay in L1 across the tiles that reuse them). */
 FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out,
                                           float *scratch)
 {
     const int H = a->n_heads, Hkv = a->n_kv_heads, G = a->n_heads / a->n_kv_heads;
     const int hd = a->head_dim, dv = a->v_head_dim;
-    const ptrdiff_t qb = fxa_qblock(a), first = kv->len - a->q_len;
+    const ptrdiff_t first = kv->len - a->q_len;
     const float qscale = a->scale * FX_LOG2E;
-    fxa_rows rowbuf[2];
-    ptrdiff_t t0;
+    fxa_rows rows, packed;
+    ptrdiff_t qb, t0;
+    int hb, g0;
 
-    for (t0 = 0; t0 < a->q_len; t0 += qb) {
-        const ptrdiff_t nq = a->q_len - t0 < qb ? a->q_len - t0 : qb;
-        const ptrdiff_t nvg = nq * G, nv = nvg * Hkv, p_last = first + t0 + nq - 1;
-        float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
-        float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
-        const int small = (size_t)nv * hd <= 8192;
-        const int rga = small ? FX_ATTN_RGA : FX_C, rgc = small ? FX_ATTN_RGC : FX_C;
-        ptrdiff_t lo, c0, i, pos;
-        int g, jj, d;
+    fxa_pass_shape(a, &qb, &hb);
+    for (t0 = 0; t0 < a->q_len; t0 += qb)
+        for (g0 = 0; g0 < Hkv; g0 += hb) {
+            const ptrdiff_t nq = a->q_len - t0 < qb ? a->q_len - t0 : qb;
+            const int nh = Hkv - g0 < hb ? Hkv - g0 : hb;
+            const ptrdiff_t nvg = nq * G, nv = nvg * nh, p_last = first + t0 + nq - 1;
+            float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
+            float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
+            float *kbuf = fb + nv, *vbuf = kbuf + (size_t)FX_C * hd;
+            const int pack = FX_PACKS(nvg);
+            ptrdiff_t lo, c0, i, pos;
+            int h, jj, d;
 
-        /* scaled queries in group-major order; empty accumulators */
-        for (g = 0, i = 0; g < Hkv; g++)
-            for (pos = 0; pos < nq; pos++)
-                for (jj = 0; jj < G; jj++, i++) {
-                    const float *src = q + ((size_t)(t0 + pos) * H + (size_t)g * G + jj) * hd;
-                    for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
-                    mm[i] = FX_NEG_INF;
-                    ll[i] = 0.0f;
-                }
-        memset(acc, 0, (size_t)nv * dv * sizeof(float));
-
-        /* rows any query of this pass sees: lo of the first position .. p_last */
-        lo = a->start;
-        if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
-        if (lo <= p_last) fxa_chunk_rows(kv, lo, (int)(p_last + 1 - lo < FX_C ? p_last + 1 - lo : FX_C), &rowbuf[0]);
-        for (c0 = lo; c0 <= p_last; c0 += FX_C) {
-            const int n = (int)(p_last + 1 - c0 < FX_C ? p_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
-            const int cur = (int)((c0 - lo) / FX_C) & 1;
-            const fxa_rows *rows = &rowbuf[cur];
-            const ptrdiff_t c1 = c0 + FX_C;
-            const int n1 = c1 <= p_last ? (int)(p_last + 1 - c1 < FX_C ? p_last + 1 - c1 : FX_C) : 0;
-            int r;
-            if (n1) fxa_chunk_rows(kv, c1, n1, &rowbuf[cur ^ 1]);
-            /* rows [fa, fb) of this chunk each vector sees */
-            for (g = 0, i = 0; g < Hkv; g++)
-                for (pos = 0; pos < nq; pos++) {
-                    const ptrdiff_t p = first + t0 + pos;
-                    ptrdiff_t vlo = a->start, x, y;
-                    if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
-                    x = vlo - c0 < 0 ? 0 : vlo - c0 > n ? n : vlo - c0;
-                    y = p + 1 - c0 < 0 ? 0 : p + 1 - c0 > n ? n : p + 1 - c0;
+            /* scaled queries, vector i = h*nvg + pos*G + jj (kv head g0+h, position t0+pos,
+               query head (g0+h)*G + jj): a kv head's vectors are consecutive */
+            for (h = 0, i = 0; h < nh; h++)
+                for (pos = 0; pos < nq; pos++)
                     for (jj = 0; jj < G; jj++, i++) {
-                        fa[i] = (float)x;
-                        fb[i] = (float)y;
+                        const float *src = q + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * hd;
+                        for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
+                        mm[i] = FX_NEG_INF;
+                        ll[i] = 0.0f;
+                    }
+            memset(acc, 0, (size_t)nv * dv * sizeof(float));
+
+            /* rows any query of this pass sees: lo of the first position .. p_last */
+            lo = a->start;
+            if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
+            for (c0 = lo; c0 <= p_last; c0 += FX_C) {
+                const int n = (int)(p_last + 1 - c0 < FX_C ? p_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
+                int r;
+                fxa_chunk_rows(kv, c0, n, &rows);
+                /* rows [fa, fb) of this chunk each vector sees */
+                for (h = 0, i = 0; h < nh; h++)
+                    for (pos = 0; pos < nq; pos++) {
+                        const ptrdiff_t p = first + t0 + pos;
+                        ptrdiff_t vlo = a->start, x, y;
+                        if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
+                        x = vlo - c0 < 0 ? 0 : vlo - c0 > n ? n : vlo - c0;
+                        y = p + 1 - c0 < 0 ? 0 : p + 1 - c0 > n ? n : p + 1 - c0;
+                        for (jj = 0; jj < G; jj++, i++) {
+                            fa[i] = (float)x;
+                            fb[i] = (float)y;
+                        }
+                    }
+                if (!pack) {
+                    for (r = 0; r < n; r += FX_ATTN_RGA)
+                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, &rows, r,
+                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb);
+                    for (i = 0; i < nv; i++)
+                        fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i);
+                    for (r = 0; r < n; r += FX_ATTN_RGC)
+                        fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, &rows, r,
+                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb);
+                } else {
+                    for (h = 0; h < nh; h++) {
+                        fxa_pack_head(&rows, n, g0 + h, hd, dv, kbuf, vbuf, &packed);
+                        fxa_phase_scores(a, nvg, 1, h * nvg, 0, &packed, 0, n, qs, sc, fa, fb);
+                        for (i = h * nvg; i < (h + 1) * nvg; i++)
+                            fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
+                                            al + i);
+                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, &packed, 0, n, acc, sc, al, fa, fb);
                     }
                 }
-            for (r = 0; r < n; r += rga) {
-                const int r1 = r + rga < n ? r + rga : n;
-                fxa_prefetch_rows(rows->v, r, r1, (size_t)Hkv * dv);
-                fxa_phase_scores(a, nvg, rows, r, r1, qs, sc, fa, fb);
             }
-            for (i = 0; i < nv; i++)
-                fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i);
-            for (r = 0; r < n; r += rgc) {
-                const int r1 = r + rgc < n ? r + rgc : n;
-                fxa_prefetch_rows(rowbuf[cur ^ 1].k, r < n1 ? r : n1, r1 < n1 ? r1 : n1, (size_t)Hkv * hd);
-                fxa_phase_pv(a, nvg, rows, r, r1, acc, sc, al, fa, fb);
-            }
-        }
 
-        /* out = acc / l, back in (position, head) order; zeros where l == 0 */
-        for (g = 0, i = 0; g < Hkv; g++)
-            for (pos = 0; pos < nq; pos++)
-                for (jj = 0; jj < G; jj++, i++) {
-                    float *dst = out + ((size_t)(t0 + pos) * H + (size_t)g * G + jj) * dv;
-                    const float inv = ll[i] > 0.0f ? 1.0f / ll[i] : 0.0f;
-                    for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
-                }
-    }
+            /* out = acc / l, back in (position, head) order; zeros where nothing was visible */
+            for (h = 0, i = 0; h < nh; h++)
+                for (pos = 0; pos < nq; pos++)
+                    for (jj = 0; jj < G; jj++, i++) {
+                        float *dst = out + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * dv;
+                        const float inv = ll[i] > 0.0f ? 1.0f / ll[i] : 0.0f;
+                        for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
+                    }
+        }
 }
 
-/* Which code path fx_attend runs on this CPU (decided like the ifunc
-   resolver: the same libgcc x86-64-v3 feature bit). */
+/* Which code path fx_attend runs on this CPU.  With clones: the libgcc
+   feature bit the ifunc resolver tests (__builtin_cpu_supports("x86-64-v3")
+   compiles to the same test of __cpu_features2); otherwise what the
+   compiler was told to target. */
 static inline FX_UNUSED const char *fx_attend_simd_path(void)
 {
-#if FX_ATTN_CLONES
+#if !defined(FX_VECEXT)
+    return "scalar C (no vector extensions)";
+#elif FX_ATTN_CLONES
     __builtin_cpu_init();
     if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3 (AVX2+FMA)";
 #if defined(__AVX2__) && defined(__FMA__)
@@ -601,8 +663,6 @@ static inline FX_UNUSED const char *fx_attend_simd_path(void)
 #else
     return "baseline (SSE2)";
 #endif
-#elif !defined(FX_VECEXT)
-    return "scalar (no vector extensions)";
 #elif defined(__AVX512F__)
     return "x86-64 AVX-512 (compile-time)";
 #elif defined(__AVX2__) && defined(__FMA__)

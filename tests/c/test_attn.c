@@ -1,0 +1,329 @@
+/* test_attn.c -- correctness tests for _attn.h against a float64 reference.
+ *
+ * Every buffer the kernel sees (q, out, scratch, K/V pools, block table) is
+ * its own malloc of exactly the documented size; under -fsanitize=address
+ * any read or write past it aborts.  Without ASan, out and scratch carry a
+ * canary tail that must survive.  out and scratch are filled with NaN before
+ * each call, so a kernel that skips an output element or depends on scratch
+ * contents fails.
+ *
+ * Pass criterion per output element e of query (t, j):
+ *   |out - ref| <= A * (RTOL + 2 * ds)
+ *   A  = max_e sum_r w_r |v_r,e| / sum_r w_r   (the row's weighted |V| size:
+ *        scale-aware, independent of cancellation in the reference)
+ *   ds = 2^-24 * sqrt(head_dim) * max_r scale * sum_d |q_d k_r,d|
+ *        (float32 rounding of a score; a score error ds moves the output by
+ *        at most 2*A*ds -- this is what a float32 kernel cannot avoid, and
+ *        only matters for the large-magnitude cases; for the ordinary
+ *        cases 2*ds < 0.4e-5).
+ * Queries that see no row must be exactly 0.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_attn.h"
+
+
+#define RTOL 1e-5
+
+#if defined(__SANITIZE_ADDRESS__)
+#define PAD 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PAD 0
+#endif
+#endif
+#ifndef PAD
+#define PAD 16
+#endif
+#define CANARY 12345.678f
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng_u64(void)
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static float rng_uni(void) { return (float)((rng_u64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+
+static float *alloc_f(size_t n, int pad)
+{
+    float *p = malloc((n + (size_t)pad) * sizeof(float) + 1);
+    size_t i;
+    if (!p) { fprintf(stderr, "oom\n"); exit(2); }
+    for (i = 0; i < (size_t)pad; i++) p[n + i] = CANARY;
+    return p;
+}
+static int canary_ok(const float *p, size_t n, int pad)
+{
+    size_t i;
+    for (i = 0; i < (size_t)pad; i++)
+        if (p[n + i] != CANARY) return 0;
+    return 1;
+}
+
+typedef struct {
+    int H, Hkv, hd, dv;
+    ptrdiff_t len, q_len, window, start;
+    int bs;           /* 0: contiguous */
+    int row_pad;      /* extra floats per row (contiguous only) */
+    float qmag, kmag; /* q, k value ranges */
+    float scale;      /* 0: 1/sqrt(hd) */
+} tcase;
+
+static int n_fail, n_run;
+static double worst, worst_ratio, worst_large;
+
+static int run_case(const tcase *tc, const char *what)
+{
+    const int H = tc->H, Hkv = tc->Hkv, G = H / Hkv, hd = tc->hd, dv = tc->dv;
+    const ptrdiff_t len = tc->len, ql = tc->q_len;
+    fx_kv kv;
+    fx_attn_args a;
+    size_t k_row = (size_t)Hkv * hd, v_row = (size_t)Hkv * dv, nk, nv, nsc, nout, i;
+    int nblocks = 0, pool_blocks = 0, *perm = NULL;
+    int32_t *table = NULL;
+    float *k, *v, *q, *out, *sc;
+    double maxerr = 0, maxratio = 0, tol;
+    int ok = 1;
+    ptrdiff_t t;
+
+    if (tc->bs == 0) {
+        k_row += (size_t)tc->row_pad;
+        v_row += (size_t)tc->row_pad;
+        nk = (size_t)len * k_row;
+        nv = (size_t)len * v_row;
+    } else {
+        nblocks = (int)((len + tc->bs - 1) / tc->bs);
+        if (nblocks < 1) { printf("bad case\n"); exit(2); }
+        pool_blocks = nblocks + 3; /* table is a shuffled subset of a larger pool */
+        nk = (size_t)pool_blocks * tc->bs * k_row;
+        nv = (size_t)pool_blocks * tc->bs * v_row;
+        perm = malloc(sizeof(int) * (size_t)pool_blocks);
+        for (i = 0; i < (size_t)pool_blocks; i++) perm[i] = (int)i;
+        for (i = (size_t)pool_blocks - 1; i > 0; i--) {
+            size_t j = rng_u64() % (i + 1);
+            int x = perm[i]; perm[i] = perm[j]; perm[j] = x;
+        }
+        table = malloc(sizeof(int32_t) * (size_t)nblocks);
+        for (i = 0; i < (size_t)nblocks; i++) table[i] = perm[i];
+    }
+    k = alloc_f(nk, 0);
+    v = alloc_f(nv, 0);
+    for (i = 0; i < nk; i++) k[i] = rng_uni() * tc->kmag;
+    for (i = 0; i < nv; i++) v[i] = rng_uni();
+    q = alloc_f((size_t)ql * H * hd, 0);
+    for (i = 0; i < (size_t)ql * H * hd; i++) q[i] = rng_uni() * tc->qmag;
+
+    kv.k = k; kv.v = v; kv.table = table; kv.block_size = tc->bs;
+    kv.k_block = (size_t)tc->bs * k_row; kv.v_block = (size_t)tc->bs * v_row;
+    kv.k_row = k_row; kv.v_row = v_row; kv.len = len;
+    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = dv; a.n_heads = H;
+    a.q_len = ql; a.scale = tc->scale > 0 ? tc->scale : 1.0f / sqrtf((float)hd);
+    a.window = tc->window; a.start = tc->start;
+
+    nout = (size_t)ql * H * dv;
+    nsc = fx_attend_scratch_floats(&a);
+    out = alloc_f(nout, PAD);
+    sc = alloc_f(nsc, PAD);
+    for (i = 0; i < nout; i++) out[i] = NAN;
+    for (i = 0; i < nsc; i++) sc[i] = NAN;
+
+    fx_attend(&kv, &a, q, out, sc);
+
+    if (!canary_ok(out, nout, PAD) || !canary_ok(sc, nsc, PAD)) {
+        printf("FAIL %s: wrote past out/scratch\n", what);
+        ok = 0;
+    }
+
+    {
+        double *s = malloc(sizeof(double) * (size_t)len), *ref = malloc(sizeof(double) * (size_t)dv);
+        for (t = 0; t < ql && ok; t++) {
+            const ptrdiff_t p = len - ql + t;
+            ptrdiff_t lo = tc->start, r;
+            int j, d;
+            if (tc->window > 0 && p - tc->window + 1 > lo) lo = p - tc->window + 1;
+            for (j = 0; j < H && ok; j++) {
+                const int g = j / G;
+                const float *qq = q + ((size_t)t * H + j) * hd;
+                const float *o = out + ((size_t)t * H + j) * dv;
+                double m = -INFINITY, l = 0, A = 0, sabs = 0;
+                if (lo > p) { /* sees nothing: exact zeros */
+                    for (d = 0; d < dv; d++)
+                        if (o[d] != 0.0f) { ok = 0; printf("FAIL %s: t=%td j=%d expected zeros, got %g\n", what, t, j, o[d]); break; }
+                    continue;
+                }
+                for (r = lo; r <= p; r++) {
+                    const float *kr = table ? k + (size_t)table[r / tc->bs] * kv.k_block + (size_t)(r % tc->bs) * k_row
+                                            : k + (size_t)r * k_row;
+                    double acc = 0, aacc = 0;
+                    for (d = 0; d < hd; d++) {
+                        acc += (double)qq[d] * kr[g * hd + d];
+                        aacc += fabs((double)qq[d] * kr[g * hd + d]);
+                    }
+                    s[r] = acc * a.scale;
+                    if (aacc * a.scale > sabs) sabs = aacc * a.scale;
+                    if (s[r] > m) m = s[r];
+                }
+                for (d = 0; d < dv; d++) ref[d] = 0;
+                {
+                    double *absacc = calloc((size_t)dv, sizeof(double));
+                    for (r = lo; r <= p; r++) {
+                        const float *vr = table ? v + (size_t)table[r / tc->bs] * kv.v_block + (size_t)(r % tc->bs) * v_row
+                                                : v + (size_t)r * v_row;
+                        const double w = exp(s[r] - m);
+                        l += w;
+                        for (d = 0; d < dv; d++) {
+                            ref[d] += w * vr[g * dv + d];
+                            absacc[d] += w * fabs(vr[g * dv + d]);
+                        }
+                    }
+                    for (d = 0; d < dv; d++) if (absacc[d] / l > A) A = absacc[d] / l;
+                    free(absacc);
+                }
+                tol = RTOL + 2.0 * ldexp(1.0, -24) * sqrt((double)hd) * sabs;
+                for (d = 0; d < dv; d++) {
+                    const double e = fabs(o[d] - ref[d] / l) / (A > 0 ? A : 1.0);
+                    if (!(e <= tol)) {
+                        printf("FAIL %s: t=%td j=%d d=%d got %.9g want %.9g (rel %.3g)\n", what, t, j, d, o[d], ref[d] / l, e);
+                        ok = 0;
+                        break;
+                    }
+                    if (e > maxerr) maxerr = e;
+                    if (e / tol > maxratio) maxratio = e / tol;
+                }
+            }
+        }
+        free(s);
+        free(ref);
+    }
+    if (maxerr > worst && tc->qmag <= 1) worst = maxerr;
+    if (maxerr > worst_large && tc->qmag > 1) worst_large = maxerr;
+    if (maxratio > worst_ratio) worst_ratio = maxratio;
+    n_run++;
+    if (!ok) n_fail++;
+    free(k); free(v); free(q); free(out); free(sc); free(table); free(perm);
+    return ok;
+}
+
+static void exp_test(void)
+{
+    double max_rel_v = 0, max_rel_s = 0;
+    float ys[8], rs[8];
+    int i, l;
+    for (i = 0; i <= 2000000; i += 8) {
+        for (l = 0; l < 8; l++) ys[l] = -125.0f * (float)(i + l > 2000000 ? 2000000 : i + l) / 2000000.0f;
+        fxa_store(rs, fxa_exp2(fxa_load(ys)));
+        for (l = 0; l < 8; l++) {
+            const double want = exp2((double)ys[l]);
+            const double ev = fabs(rs[l] - want) / want, es = fabs(fxa_exp2f(ys[l]) - want) / want;
+            if (ev > max_rel_v) max_rel_v = ev;
+            if (es > max_rel_s) max_rel_s = es;
+        }
+    }
+    {
+        const float special[8] = {-125.5f, -126.0f, -1000.0f, -INFINITY, NAN, 0.0f, -0.0f, -1e30f};
+        const float want[8] = {0, 0, 0, 0, 0, 1, 1, 0};
+        fxa_store(rs, fxa_exp2(fxa_load(special)));
+        for (l = 0; l < 8; l++)
+            if (rs[l] != want[l] || fxa_exp2f(special[l]) != want[l]) {
+                printf("FAIL exp2 special %g: vec %g scalar %g\n", special[l], rs[l], fxa_exp2f(special[l]));
+                n_fail++;
+            }
+    }
+    printf("exp2 on [-125, 0]: max rel err vector %.3g, scalar %.3g\n", max_rel_v, max_rel_s);
+    if (max_rel_v > 3e-7 || max_rel_s > 3e-7) { printf("FAIL exp2 accuracy\n"); n_fail++; }
+}
+
+int main(void)
+{
+    static const int gqa[][2] = {{8, 8}, {16, 4}, {32, 4}, {16, 2}, {8, 1}, {32, 1}}; /* H, Hkv */
+    static const int dims[][2] = {{64, 64}, {80, 80}, {96, 96}, {128, 128}, {192, 128}, {20, 12}, {8, 16}};
+    static const int bss[] = {0, 1, 7, 16, 32};
+    static const ptrdiff_t lens[] = {1, 5, 16, 33, 100, 257};
+    char what[256];
+    size_t gi, di, bi, li;
+    tcase tc;
+
+    printf("simd path: %s\n", fx_attend_simd_path());
+    exp_test();
+
+    /* decode sweep: GQA x dims x layouts x lengths */
+    for (gi = 0; gi < sizeof gqa / sizeof gqa[0]; gi++)
+        for (di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (bi = 0; bi < sizeof bss / sizeof bss[0]; bi++)
+                for (li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+                    memset(&tc, 0, sizeof tc);
+                    tc.H = gqa[gi][0]; tc.Hkv = gqa[gi][1]; tc.hd = dims[di][0]; tc.dv = dims[di][1];
+                    tc.len = lens[li]; tc.q_len = 1; tc.bs = bss[bi]; tc.qmag = 1; tc.kmag = 1;
+                    tc.row_pad = bi == 0 ? 8 : 0;
+                    snprintf(what, sizeof what, "decode H=%d Hkv=%d hd=%d dv=%d bs=%d len=%td", tc.H, tc.Hkv, tc.hd,
+                             tc.dv, tc.bs, tc.len);
+                    run_case(&tc, what);
+                }
+
+    /* q_len > 1: causal, windows, left padding (some queries see nothing) */
+    {
+        static const ptrdiff_t qls[] = {2, 3, 5, 8, 17, 31, 64};
+        static const ptrdiff_t wins[] = {0, 1, 4, 13, 50};
+        static const ptrdiff_t starts[] = {0, 3, 40};
+        size_t qi, wi, si;
+        for (qi = 0; qi < sizeof qls / sizeof qls[0]; qi++)
+            for (wi = 0; wi < sizeof wins / sizeof wins[0]; wi++)
+                for (si = 0; si < sizeof starts / sizeof starts[0]; si++)
+                    for (gi = 0; gi < 6; gi += 2)
+                        for (bi = 0; bi < 4; bi += 1) {
+                            memset(&tc, 0, sizeof tc);
+                            tc.H = gqa[gi][0]; tc.Hkv = gqa[gi][1];
+                            tc.hd = qi % 2 ? 64 : 80; tc.dv = tc.hd;
+                            tc.q_len = qls[qi]; tc.len = qls[qi] + (ptrdiff_t)(qi * 11 % 70);
+                            tc.window = wins[wi]; tc.start = starts[si];
+                            if (tc.start >= tc.len) tc.start = tc.len - 1;
+                            tc.bs = bss[bi]; tc.qmag = 1; tc.kmag = 1; tc.scale = 0.5f;
+                            snprintf(what, sizeof what, "prefill H=%d Hkv=%d hd=%d q_len=%td len=%td win=%td start=%td bs=%d",
+                                     tc.H, tc.Hkv, tc.hd, tc.q_len, tc.len, tc.window, tc.start, tc.bs);
+                            run_case(&tc, what);
+                        }
+    }
+
+    /* explicit edge cases */
+    memset(&tc, 0, sizeof tc);
+    tc.H = 8; tc.Hkv = 2; tc.hd = 64; tc.dv = 64; tc.qmag = 1; tc.kmag = 1; tc.bs = 7;
+    tc.len = 40; tc.q_len = 20; tc.start = 30; /* queries at p < 30 see nothing */
+    run_case(&tc, "left padding: first 10 queries see nothing");
+    tc.len = 50; tc.q_len = 50; tc.start = 0; tc.window = 1; /* each query sees only itself */
+    run_case(&tc, "window=1 full prefill");
+    tc.len = 300; tc.q_len = 1; tc.window = 0; tc.start = 299;
+    run_case(&tc, "start = last row");
+    tc.q_len = 4; tc.start = 305; /* nothing visible at all */
+    run_case(&tc, "start past the end: all zeros");
+
+    /* large-magnitude scores: |q.k| ~ 1e4 (and 1e6 with scale 1) */
+    for (bi = 0; bi < sizeof bss / sizeof bss[0]; bi++) {
+        memset(&tc, 0, sizeof tc);
+        tc.H = 32; tc.Hkv = 8; tc.hd = 128; tc.dv = 128; tc.bs = bss[bi];
+        tc.len = 333; tc.q_len = 3; tc.qmag = 30; tc.kmag = 30; tc.scale = 1.0f; /* q.k ~ 1e4 */
+        snprintf(what, sizeof what, "large scores 1e4 bs=%d", tc.bs);
+        run_case(&tc, what);
+        tc.qmag = 300; tc.kmag = 300; tc.q_len = 17; tc.window = 100; /* ~1e6 */
+        snprintf(what, sizeof what, "large scores 1e6 bs=%d", tc.bs);
+        run_case(&tc, what);
+    }
+
+    /* a longer context with chunks spanning many blocks */
+    memset(&tc, 0, sizeof tc);
+    tc.H = 32; tc.Hkv = 8; tc.hd = 128; tc.dv = 128; tc.bs = 16; tc.len = 3001; tc.q_len = 1;
+    tc.qmag = 1; tc.kmag = 1;
+    run_case(&tc, "decode len 3001 bs 16");
+    tc.q_len = 70; tc.window = 500;
+    run_case(&tc, "prefill 70 over 3001 window 500");
+
+    printf("large-magnitude cases: worst err/A %.3g\n", worst_large);
+    printf("%d cases, %d failed; ordinary cases: worst err/A %.3g (rtol %.0e); all cases: worst err/tol %.3g\n",
+           n_run, n_fail, worst, RTOL, worst_ratio);
+    return n_fail ? 1 : 0;
+}
