@@ -30,11 +30,13 @@ def best(fn, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--q-lens", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048])
     args = ap.parse_args()
     torch.set_num_threads(1)
     nh, h, d = 32, 8, 128
     print(f"{'q_len':>6} {'ferrox':>10} {'sdpa':>10} {'ferrox/sdpa':>12}")
-    for q_len in [4, 8, 16, 32, 48, 64, 96, 128, 256, 512]:
+    for q_len in args.q_lens:
         g = torch.Generator().manual_seed(q_len)
         q = torch.randn(1, nh, q_len, d, generator=g)
         k = torch.randn(1, h, q_len, d, generator=g)

@@ -34,7 +34,7 @@ from libc.math cimport sqrt
 # sequences of the call together) runs without the GIL. Below it the call is
 # a few microseconds and holding the GIL is cheaper than handing it over;
 # benchmarks/attend_gil.py measures where releasing starts to pay.
-cdef Py_ssize_t _attend_release_bytes = 65536
+cdef Py_ssize_t _attend_release_bytes = 131072
 
 
 def attend_gil_release_threshold():

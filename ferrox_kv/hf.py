@@ -77,9 +77,9 @@ __all__ = ["ATTENTION", "FerroxCache", "FerroxLayer", "ferrox_attention", "kv_ge
 ATTENTION = "ferrox"          # model.set_attn_implementation(ATTENTION)
 
 # A prefill of at least this many positions into an empty cache runs torch's
-# SDPA on the incoming K/V: its matrix products beat the per-query kernel
-# there (benchmarks/NOTES.md, "Prefill: SDPA or attend").
-SDPA_PREFILL_MIN = 64
+# SDPA on the incoming K/V: its matrix products beat the kernel from about
+# 1024 positions, not before (benchmarks/NOTES.md, "Prefill: SDPA or attend").
+SDPA_PREFILL_MIN = 1024
 
 _warned = False
 

@@ -1,0 +1,199 @@
+/* bench_attn.c -- single-thread timing of fx_attend against a read floor.
+ *
+ * Geometry (defaults): 32 query heads, 8 KV heads, head_dim 128, paged with
+ * block size 16 and a shuffled block table; decode (q_len 1) at contexts
+ * 512, 2048, 8192, then q_len 256 causal over 2048 (report only).
+ * Variants, interleaved in every round so ratios come from one run:
+ *   floor   read every K/V float once (vector sum, v3 clone)
+ *   clones  fx_attend as shipped (target_clones; this CPU picks x86-64-v3)
+ *   base    fx_attend built without clones: x86-64 baseline (SSE2)
+ *   v3      fx_attend built with -march=x86-64-v3 (no clones), control
+ * Each figure: best over ROUNDS rounds of (mean of REPS calls).
+ * Usage: bench_attn [rounds] [paged|contig] [ctx:q_len[:H:Hkv:head_dim] ...]
+ *        bench_attn exp      (exp approximation vs libm expf)
+ *   default: 30 paged 512:1 2048:1 8192:1 2048:256
+ */
+#define _POSIX_C_SOURCE 199309L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "_attn.h"
+
+#define DECL(K)                                                                                           \
+    void K##_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch); \
+    float K##_floor(const fx_kv *kv, int nblocks);                                                        \
+    const char *K##_path(void);                                                                           \
+    size_t K##_scratch(const fx_attn_args *a);                                                            \
+    void K##_exp2v(const float *x, float *y, size_t n);                                                   \
+    void K##_expf(const float *x, float *y, size_t n);
+#ifdef AB /* A/B build: two kernel builds (headers/flags) in the base and v3 slots */
+DECL(clones)
+DECL(A)
+DECL(B)
+#define base_attend A_attend
+#define base_path A_path
+#define base_scratch A_scratch
+#define v3_scratch B_scratch
+#define v3_attend B_attend
+#define v3_path B_path
+#define v3_floor clones_floor
+#else
+DECL(clones)
+DECL(base)
+DECL(v3)
+#endif
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rs = 88172645463325252ull;
+static float rnd(void)
+{
+    rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+    return (float)((rs >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+volatile float sink;
+
+enum { V_FLOOR, V_CLONES, V_BASE, V_V3, NV };
+#ifdef AB
+static const char *vname[NV] = {"floor", "clones(v3)", "A", "B"};
+#else
+static const char *vname[NV] = {"floor", "clones(v3)", "base(sse2)", "v3(-march)"};
+#endif
+
+static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, int Hkv, int hd)
+{
+    const int bs = 16;
+    const int nblocks = (int)(ctx / bs);
+    const size_t row = (size_t)Hkv * hd;
+    float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
+    float *q = malloc(sizeof(float) * (size_t)q_len * H * hd), *out[NV];
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
+    fx_kv kv;
+    fx_attn_args a;
+    float *sc;
+    double best[NV];
+    size_t i;
+    int r, w, reps;
+
+    for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
+    for (i = 0; i < (size_t)q_len * H * hd; i++) q[i] = rnd();
+    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
+    for (i = (size_t)nblocks - 1; i > 0; i--) {
+        size_t j = (size_t)(rs % (i + 1));
+        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
+        rnd();
+    }
+    kv.k = k; kv.v = v; kv.table = contig ? NULL : table; kv.block_size = bs;
+    kv.k_block = kv.v_block = (size_t)bs * row; kv.k_row = kv.v_row = row; kv.len = ctx;
+    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = q_len;
+    a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
+    {
+        size_t n1 = clones_scratch(&a), n2 = base_scratch(&a), n3 = v3_scratch(&a);
+        n1 = n1 > n2 ? n1 : n2;
+        sc = malloc(sizeof(float) * (n1 > n3 ? n1 : n3));
+    }
+    for (w = 0; w < NV; w++) { out[w] = calloc((size_t)q_len * H * hd, sizeof(float)); best[w] = 1e30; }
+
+    /* calls per timed batch: ~2 ms worth */
+    {
+        double t0 = now();
+        clones_attend(&kv, &a, q, out[V_CLONES], sc);
+        reps = (int)(2e-3 / (now() - t0 + 1e-9));
+        if (reps < 1) reps = 1;
+        if (reps > 2000) reps = 2000;
+    }
+    for (r = 0; r < rounds; r++)
+        for (int wi = 0; wi < NV; wi++) {
+            const int w = (wi + r) % NV; /* rotate the order: no variant always follows the same one */
+            double t0 = now(), dt;
+            int j;
+            for (j = 0; j < reps; j++) {
+                switch (w) {
+                case V_FLOOR: sink += v3_floor(&kv, contig ? 1 : nblocks); break;
+                case V_CLONES: clones_attend(&kv, &a, q, out[w], sc); break;
+                case V_BASE: base_attend(&kv, &a, q, out[w], sc); break;
+                case V_V3: v3_attend(&kv, &a, q, out[w], sc); break;
+                }
+            }
+            dt = (now() - t0) / reps;
+            if (dt < best[w]) best[w] = dt;
+        }
+    {
+        double md = 0;
+        for (w = V_BASE; w < NV; w++)
+            for (i = 0; i < (size_t)q_len * H * hd; i++) {
+                double d = fabs(out[w][i] - out[V_CLONES][i]);
+                if (d > md) md = d;
+            }
+        printf("%-6s ctx %5td q_len %3td H %d Hkv %d hd %d %s (%.1f MiB K+V; variants agree to %.1e)\n",
+               contig ? "contig" : "paged", ctx, q_len, H, Hkv, hd, contig ? "" : "bs 16 shuffled",
+               2.0 * ctx * row * 4 / 1048576.0, md);
+    }
+    for (w = 0; w < NV; w++)
+        printf("   %-11s %10.1f us  %6.2fx floor  %6.1f GB/s\n", vname[w], best[w] * 1e6, best[w] / best[V_FLOOR],
+               2.0 * ctx * row * 4 / best[w] * 1e-9);
+    fflush(stdout);
+    for (w = 0; w < NV; w++) free(out[w]);
+    free(k); free(v); free(q); free(table); free(sc);
+}
+
+/* ns per element: fxa_exp2 (clones build) vs libm expf, on 4096 scores - max */
+static void exp_bench(void)
+{
+    enum { N = 4096 };
+    static float x[N], y1[N], y2[N];
+    double best1 = 1e30, best2 = 1e30, maxrel = 0;
+    int i, r, j;
+    for (i = 0; i < N; i++) x[i] = -30.0f * (rnd() + 1.0f) * 0.5f; /* [-30, 0] */
+    for (r = 0; r < 200; r++) {
+        double t0 = now(), t1;
+        for (j = 0; j < 50; j++) clones_exp2v(x, y1, N);
+        t1 = now();
+        if ((t1 - t0) / (50.0 * N) < best1) best1 = (t1 - t0) / (50.0 * N);
+        t0 = now();
+        for (j = 0; j < 50; j++) clones_expf(x, y2, N);
+        t1 = now();
+        if ((t1 - t0) / (50.0 * N) < best2) best2 = (t1 - t0) / (50.0 * N);
+    }
+    for (i = 0; i < N; i++) {
+        const double want = exp2((double)x[i]), e = fabs(y1[i] - want) / want;
+        if (e > maxrel) maxrel = e;
+    }
+    printf("exp: fxa_exp2 (8 lanes, clones) %.3f ns/elem, libm expf %.3f ns/elem (%.1fx); fxa_exp2 max rel err %.2g\n",
+           best1 * 1e9, best2 * 1e9, best2 / best1, maxrel);
+}
+
+int main(int argc, char **argv)
+{
+    const int rounds = argc > 1 ? atoi(argv[1]) : 30;
+    if (argc > 1 && !strcmp(argv[1], "exp")) {
+        exp_bench();
+        return 0;
+    }
+    const int contig = argc > 2 && !strcmp(argv[2], "contig");
+    int i;
+    printf("clones path: %s | base: %s | v3: %s | chunk %d qblock %d\n", clones_path(), base_path(),
+           v3_path(), FX_ATTN_CHUNK, FX_ATTN_QBLOCK);
+    if (argc <= 3) {
+        run(512, 1, contig, rounds, 32, 8, 128);
+        run(2048, 1, contig, rounds, 32, 8, 128);
+        run(8192, 1, contig, rounds, 32, 8, 128);
+        run(2048, 256, contig, rounds > 5 ? 5 : rounds, 32, 8, 128);
+    }
+    for (i = 3; i < argc; i++) {
+        long c = 0, ql = 1;
+        int H = 32, Hkv = 8, hd = 128;
+        sscanf(argv[i], "%ld:%ld:%d:%d:%d", &c, &ql, &H, &Hkv, &hd);
+        run(c, ql, contig, ql > 16 && rounds > 5 ? 5 : rounds, H, Hkv, hd);
+    }
+    return 0;
+}

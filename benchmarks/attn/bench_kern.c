@@ -1,0 +1,71 @@
+/* bench_kern.c -- one build of _attn.h for bench_attn.c.  Compiled several
+ * times with different flags (see Makefile); KNAME names the exported
+ * wrappers: <KNAME>_attend, <KNAME>_floor, <KNAME>_path, <KNAME>_scratch. */
+#include <math.h>
+#ifdef ATTN_HEADER
+#include ATTN_HEADER
+#else
+#include "_attn.h"
+#endif
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+void CAT(KNAME, attend)(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
+float CAT(KNAME, floor)(const fx_kv *kv, int nkv_blocks);
+void CAT(KNAME, exp2v)(const float *x, float *y, size_t n);
+void CAT(KNAME, expf)(const float *x, float *y, size_t n);
+const char *CAT(KNAME, path)(void);
+size_t CAT(KNAME, scratch)(const fx_attn_args *a);
+
+size_t CAT(KNAME, scratch)(const fx_attn_args *a) { return fx_attend_scratch_floats(a); }
+
+void CAT(KNAME, attend)(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch)
+{
+    fx_attend(kv, a, q, out, scratch);
+}
+
+const char *CAT(KNAME, path)(void) { return fx_attend_simd_path(); }
+
+/* Read floor: every K and V float of the context read once, block by block
+   in table order (contiguous: one block), summed with 4 vector accumulators.
+   Same clone dispatch as fx_attend. */
+FX_CLONES static float floor_sum(const fx_kv *kv, int nblocks)
+{
+    fxa_v8 s0 = fxa_splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+    int b;
+    for (b = 0; b < nblocks; b++) {
+        const float *src[2];
+        size_t n[2], i;
+        int w;
+        src[0] = kv->table ? kv->k + (size_t)kv->table[b] * kv->k_block : kv->k;
+        src[1] = kv->table ? kv->v + (size_t)kv->table[b] * kv->v_block : kv->v;
+        n[0] = kv->table ? kv->k_block : (size_t)kv->len * kv->k_row;
+        n[1] = kv->table ? kv->v_block : (size_t)kv->len * kv->v_row;
+        for (w = 0; w < 2; w++)
+            for (i = 0; i + 32 <= n[w]; i += 32) {
+                s0 = fxa_add(s0, fxa_load(src[w] + i));
+                s1 = fxa_add(s1, fxa_load(src[w] + i + 8));
+                s2 = fxa_add(s2, fxa_load(src[w] + i + 16));
+                s3 = fxa_add(s3, fxa_load(src[w] + i + 24));
+            }
+    }
+    return fxa_hsum(fxa_add(fxa_add(s0, s1), fxa_add(s2, s3)));
+}
+
+float CAT(KNAME, floor)(const fx_kv *kv, int nblocks) { return floor_sum(kv, nblocks); }
+
+/* exp throughput: the kernel's vector 2^x (as it runs in fx_attend: inputs
+   in base 2) against libm expf on the same values (scaled by ln 2). */
+FX_CLONES static void exp2v_loop(const float *x, float *y, size_t n)
+{
+    size_t i;
+    for (i = 0; i + 8 <= n; i += 8) fxa_store(y + i, fxa_exp2(fxa_load(x + i)));
+}
+FX_CLONES static void expf_loop(const float *x, float *y, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i++) y[i] = expf(x[i] * 0.693147180559945f);
+}
+void CAT(KNAME, exp2v)(const float *x, float *y, size_t n) { exp2v_loop(x, y, n); }
+void CAT(KNAME, expf)(const float *x, float *y, size_t n) { expf_loop(x, y, n); }
