@@ -1,10 +1,12 @@
-"""Print the README's performance table from a `python -m ferrox_kv.bench
---json PATH` file: the targets first, then a few headline figures.
+"""Print a bench run's targets and rows as markdown tables, from a
+`ferrox-kv bench --json PATH` file.
 
     python benchmarks/readme_table.py bench.json
 """
 import json
 import sys
+
+from ferrox_kv.bench import fmt_quantity
 
 
 def main(path):
@@ -20,10 +22,9 @@ def main(path):
     for r in doc["results"]:
         if r["group"] in ("threads",) and r.get("threads") not in (1, 2):
             continue
-        v = r["value"]
-        sv = f"{v:.4g}" if isinstance(v, float) else str(v)
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        print(f"| {r['group']} | {r['geometry']} | {r['name']} | {sv} {r['unit']} | {ratio} | "
+        print(f"| {r['group']} | {r['geometry']} | {r['name']} | "
+              f"{fmt_quantity(r['value'], r['unit'])} | {ratio} | "
               f"{r['ratio_of'] or ''} |")
     m = doc["machine"]
     print(f"\n({m['cpus']} CPUs, {m['platform']}, Python {m['python']}, numpy {m['numpy']}; "
