@@ -884,6 +884,20 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch):
 # Group: memory
 # ---------------------------------------------------------------------------
 
+def _extend_layers(pool, layers, n, ks, vs):
+    """A timed run: reserve ``layers`` caches of ``n`` positions on ``pool``,
+    extend each with (ks, vs), let them go (what a prefix hit replaces)."""
+    h, d = pool.n_kv_heads, pool.head_dim
+
+    def run(_):
+        got = KvCache.with_pool_many(layers, h, d, pool, n + 1)
+        for c in got:
+            c.extend(ks, vs)
+        for c in got:
+            c.close()
+    return run
+
+
 def bench_sharing(res, quick, reps):
     """Block sharing: forks, prefix reuse, and what the prefix cache's
     bookkeeping costs. 8 KV heads x 128, block size 16."""
@@ -949,13 +963,7 @@ def bench_sharing(res, quick, reps):
         for c in got:
             c.close()
 
-    def extend(_):
-        got = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1)
-        for c in got:
-            c.extend(ks, vs)
-        for c in got:
-            c.close()
-
+    extend = _extend_layers(pool, layers, n_tok, ks, vs)
     best = best_of([("hit", lambda: None, hit), ("extend", lambda: None, extend)], reps)
     res.add(g, "8x128", "sharing.hit_vs_extend", f"with_pool_many({layers} layers, tokens="
             f"{n_tok} ids), full hit", best["hit"] * 1e3, "ms", best["hit"] / best["extend"],
@@ -998,15 +1006,9 @@ def bench_sharing(res, quick, reps):
         for c in state[0]:
             c.close()
 
-    def extend_only(_):
-        got = KvCache.with_pool_many(layers, h, d, pool, n_tok + 1)
-        for c in got:
-            c.extend(ks, vs)
-        for c in got:
-            c.close()
-
     best = best_of([("lookup", token_lists, reserve), ("plain", token_lists, reserve_plain),
-                    ("publish", filled_caches, publish), ("extend", lambda: None, extend_only)],
+                    ("publish", filled_caches, publish),
+                    ("extend", lambda: None, _extend_layers(pool, layers, n_tok, ks, vs))],
                    reps * 2)
     lookup = max(best["lookup"] - best["plain"], 0.0) / loops
     cost = lookup + best["publish"]
