@@ -26,3 +26,25 @@ def test_importing_a_source_tree_without_its_core_says_what_to_do(tmp_path):
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "source tree" in out.stderr
     assert "ferrox-kv" in out.stderr and "build_ext --inplace" in out.stderr
+
+
+def test_signatures_are_introspectable_and_help_shows_them():
+    import inspect
+    import pydoc
+    from ferrox_kv import KvBlockPool, KvCache
+    assert str(inspect.signature(KvCache)) == "(n_kv_heads, head_dim, *, v_head_dim=None)"
+    assert str(inspect.signature(KvBlockPool)) == (
+        "(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None, "
+        "prefix_cache=False)")
+    assert "(n_kv_heads, head_dim, pool, max_seq_len, *, v_head_dim=None, tokens=None, " \
+           "salt=None)" in str(inspect.signature(KvCache.with_pool))
+    text = pydoc.render_doc(KvCache, renderer=pydoc.plaintext)
+    assert "KvCache(n_kv_heads, head_dim, *, v_head_dim=None)" in text
+
+
+def test_importing_the_hf_module_without_torch_names_the_install_command():
+    code = ("import sys\nsys.modules['torch'] = None\n"
+            "try:\n    import ferrox_kv.hf\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(CHECKOUT))
+    assert "pip install 'ferrox_kv[hf]'" in out.stdout, out.stdout + out.stderr
