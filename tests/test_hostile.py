@@ -312,12 +312,12 @@ print("hung", hung, "free", pool.free_blocks, "of", pool.total_blocks)
 """
 
 
-def test_fork_under_gc_pressure_with_import_and_logging_threads_never_hangs():
+def test_fork_under_gc_pressure_with_import_and_logging_threads_never_hangs(tmp_path):
     # The parent itself can hang too (a before-fork hook's garbage collection
     # collecting a pooled cache while the pool locks are held), hence the
     # subprocess with a timeout.
     out = subprocess.run([sys.executable, "-c", _FORK_UNDER_GC, "60"], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, cwd=tmp_path)   # not the source tree
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert out.stdout.split() == ["hung", "0", "free", "256", "of", "256"], out.stdout
 

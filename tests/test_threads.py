@@ -252,6 +252,8 @@ print("ok")
 def test_fork_while_other_threads_use_the_pool_never_deadlocks():
     import subprocess
     import sys
+    import tempfile
     out = subprocess.run([sys.executable, "-c", _FORK_UNDER_LOAD], capture_output=True,
+                         cwd=tempfile.gettempdir(),                 # not the source tree
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
