@@ -105,8 +105,8 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
             sc = float(scale)
         except (TypeError, ValueError):
             raise TypeError(f"scale must be a number, got {type(scale).__name__}") from None
-        if not (sc == sc) or sc in (float("inf"), float("-inf")):
-            raise ValueError(f"scale must be finite, got {sc}")
+        if not (sc == sc) or abs(sc) > 3.4028234663852886e38:
+            raise ValueError(f"scale must be a finite float32, got {sc}")
     if window is not None:
         win = _count(window, "window", 1)
     starts = None

@@ -210,8 +210,10 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                 at += reqs[j].n_fresh
             with nogil:
                 at = pools_update(reqs, n_pools, &failed)
-            if at != 0:
+            if at == FX_EXHAUSTED:
                 raise KvPoolExhausted(reqs[failed].needed, reqs[failed].free_seen)
+            if at != 0:
+                raise RuntimeError("ferrox_kv: a pool refused ids it handed out")
         # 3. nothing below can fail
         for j in range(n_pools):
             reqs[j].n_fresh = 0        # cursor into reqs[j].fresh

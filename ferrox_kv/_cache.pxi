@@ -229,7 +229,7 @@ K and V rows of one sequence in one layer.
             raise RuntimeError(_BUSY)
         try:
             if self.c.state != STATE_NEW:
-                raise RuntimeError("KvCache.__init__ called on a cache that is already set up")
+                raise ValueError("KvCache.__init__ called on a cache that is already set up")
             self._set_geometry(n_kv_heads, head_dim, v_head_dim)
         finally:
             _leave(self)
@@ -789,8 +789,10 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
                 prefix_keys(tp, m_max, bs, <int32_t>count, salt_id, keys)
             rc = pool_reserve(p, keys if m_max else NULL, tp, m_max, <int32_t>count, salt_id,
                               per, ids, nb, scratch, &m, &r)
-        if rc != 0:
+        if rc == FX_EXHAUSTED:
             raise KvPoolExhausted(r.needed, r.free_seen)
+        if rc != 0:
+            raise RuntimeError("ferrox_kv: the prefix index names a block it does not hold")
         nb = max(per, m)
         for i in range(count):
             c = <KvCache>out[i]

@@ -47,6 +47,7 @@ from libc.string cimport memcmp, memcpy, memset
 cimport numpy as cnp
 import numpy as np
 from numpy.lib.array_utils import byte_bounds as _byte_bounds
+from operator import index as _operator_index
 
 cnp.import_array()
 
@@ -128,10 +129,13 @@ cdef int _require(str what, tuple names, tuple values) except -1:
 
 
 cdef object _index(object value, str name):
-    """``value`` as a Python int, or TypeError naming the argument."""
+    """``value`` as an exact Python int (``operator.index``: an ``__index__``
+    that returns anything else is a TypeError), or TypeError naming the
+    argument. Range checks then run on that int, and converting it to C gives
+    the same number."""
     try:
-        return value.__index__()
-    except AttributeError:
+        return _operator_index(value)
+    except TypeError:
         raise TypeError(
             f"{name} must be an integer, got {type(value).__name__}") from None
 

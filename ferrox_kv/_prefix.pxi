@@ -234,14 +234,33 @@ cdef void prefix_blocks(Pool* p, const int32_t* entries, Py_ssize_t n,
             b = x.blk_next[b] - 1
 
 
+cdef bint _distinct_unpublished(Pool* p, int32_t** tables, int32_t layers,
+                                Py_ssize_t i) noexcept nogil:
+    """Whether position ``i``'s blocks of every layer are distinct blocks that
+    no entry owns yet (a cache and its fork share blocks: such a pair is not
+    one sequence's layers). Marks with the pool's delta scratch, cleared."""
+    cdef int32_t j, b
+    cdef bint ok = True
+    for j in range(layers):
+        b = tables[j][i]
+        if p.prefix.blk_entry[b] != 0 or p.delta[b] != 0:
+            ok = False
+            break
+        p.delta[b] = 1
+    for j in range(layers):
+        p.delta[tables[j][i]] = 0
+    return ok
+
+
 cdef Py_ssize_t prefix_publish(Pool* p, int32_t** tables, int32_t layers,
                                const uint64_t* keys, const int32_t* tokens,
                                Py_ssize_t n, int32_t salt) noexcept nogil:
     """Publish the first ``n`` full blocks of one sequence (``tables[j]`` is
     layer j's block table). A block position already published keeps the
     existing blocks. Stops at a position whose blocks belong to another
-    entry (e.g. reused under another salt). Returns the positions now
-    published along this chain. Pool lock held; the caches hold every block."""
+    entry (e.g. reused under another salt) or are not distinct across the
+    layers. Returns the positions now published along this chain. Pool lock
+    held; the caches hold every block."""
     cdef Prefix* x = p.prefix
     cdef int32_t parent = 0, e, b, j
     cdef const int32_t* tok
@@ -250,9 +269,8 @@ cdef Py_ssize_t prefix_publish(Pool* p, int32_t** tables, int32_t layers,
         tok = tokens + i * p.block_size
         e = _find(p, keys[i], parent, salt, layers, tok)
         if e == 0:
-            for j in range(layers):
-                if x.blk_entry[tables[j][i]] != 0:
-                    return i
+            if not _distinct_unpublished(p, tables, layers, i):
+                return i
             if x.n_efree > 0:
                 x.n_efree -= 1
                 e = x.e_free[x.n_efree]

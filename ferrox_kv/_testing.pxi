@@ -51,6 +51,8 @@ def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t r
     cdef size_t nbytes = <size_t>cnp.PyArray_NBYTES(src)
     cdef size_t row = <size_t>row_floats * sizeof(float)
     cdef size_t off = 0
+    if not (cnp.PyArray_ISCARRAY(dst) and cnp.PyArray_ISCARRAY_RO(src)):
+        raise ValueError("dst must be writeable and C-contiguous, src C-contiguous")
     if cnp.PyArray_NBYTES(dst) < <cnp.npy_intp>nbytes or row == 0:
         raise ValueError("dst smaller than src, or empty rows")
     with nogil:

@@ -56,6 +56,7 @@ cache is garbage-collected.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import numpy as np
 
@@ -155,16 +156,18 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     module docstring). query (B, H, q_len, D) -> (B, q_len, H, D)."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
-    if layer is not None and dropout == 0.0 and len(layer.seqs) == batch:
+    if layer is not None:
         kv_len = layer.get_seq_length()
-        starts = _left_padding(attention_mask, kv_len)
         fresh = key.shape[2] == kv_len == q_len           # update handed back the incoming K/V
-        if (starts is not None or attention_mask is None) and not (fresh and q_len >= SDPA_PREFILL_MIN):
+        starts = _left_padding(attention_mask, kv_len)
+        if (dropout == 0.0 and len(layer.seqs) == batch
+                and (starts is not None or attention_mask is None)
+                and not (fresh and q_len >= SDPA_PREFILL_MIN)):
             q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
             out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling, window=sliding_window,
                                                start=starts))
             return out.to(device=query.device, dtype=query.dtype), None
-        if not fresh:
+        if not fresh:                                     # update handed back placeholders
             key, value = layer._gather()
     kv_len = key.shape[2]
     mask = _dense_mask(attention_mask, batch, q_len, kv_len, sliding_window, query.device)
@@ -189,11 +192,15 @@ class FerroxLayer(CacheLayerMixin):
 
     def __init__(self, owner: "FerroxCache", layer_idx: int):
         super().__init__()
-        self._owner = owner
+        self._owner_ref = weakref.ref(owner)     # no cycle: dropping the cache frees blocks
         self.layer_idx = layer_idx
         self.seqs: list[KvCache] = []
         self.dtype = None
         self.device = None
+
+    @property
+    def _owner(self) -> "FerroxCache":
+        return self._owner_ref()
 
     def lazy_initialization(self, key_states, value_states):
         self.dtype = key_states.dtype
@@ -230,11 +237,13 @@ class FerroxLayer(CacheLayerMixin):
         # float32 CPU token, whose (H, 1, D) rows are already (1, H, D).
         kn = key_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
         vn = value_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+        before = self.get_seq_length()
         try:
             _extend_each(self.seqs, kn, vn)        # every sequence or none
         except BaseException:
             if kb > had:
                 owner._shrink_batch(had)
+            owner._roll_back(self.layer_idx, before, kt)
             raise
         if kwargs is not None and owner._reads_in_place():
             kwargs["ferrox_layer"] = self          # reaches ferrox_attention
@@ -399,6 +408,16 @@ class FerroxCache(Cache):
     def _check_open(self):
         if self._closed:
             raise ValueError("FerroxCache is closed")
+
+    def _roll_back(self, failed_layer: int, length: int, added: int) -> None:
+        """A forward step's update failed at ``failed_layer``: the layers it
+        already extended (those before it, holding ``length + added``
+        positions) go back to ``length``, so that every layer holds the same
+        positions and the step can be retried."""
+        for layer in self.layers[:failed_layer]:
+            if layer.get_seq_length() == length + added:
+                for cache in layer.seqs:
+                    cache.truncate(length)
 
     def _reorder_layers(self, layers, order):
         """Sequence b of every given layer takes the rows of its sequence

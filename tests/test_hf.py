@@ -615,3 +615,70 @@ def test_prefix_reuse_arguments_are_checked(model):
         cache.publish([1, 2, 3, 5])
     pool.check()
     assert pool.used_blocks == 0
+
+
+def test_with_dropout_the_ferrox_attention_falls_back_on_the_real_keys(ferrox_llama):
+    ids = _prompt(10, seed=50)
+    ferrox_llama.train()
+    ferrox_llama.config.attention_dropout = 0.3
+    for m in ferrox_llama.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.3
+    try:
+        with torch.no_grad():
+            torch.manual_seed(3)
+            with _impl(ferrox_llama, "sdpa"):
+                ref_cache = DynamicCache(config=ferrox_llama.config)
+                ferrox_llama(input_ids=ids, cache=ref_cache, use_cache=True)
+                ref = ferrox_llama(input_ids=ids[:, :1], cache=ref_cache, use_cache=True).logits
+            torch.manual_seed(3)
+            cache = FerroxCache(ferrox_llama.config, pool=_pool_for(ferrox_llama, 64),
+                                max_seq_len=16)
+            ferrox_llama(input_ids=ids, cache=cache, use_cache=True)
+            got = ferrox_llama(input_ids=ids[:, :1], cache=cache, use_cache=True).logits
+    finally:
+        ferrox_llama.eval()
+        ferrox_llama.config.attention_dropout = 0.0
+        for m in ferrox_llama.modules():
+            if hasattr(m, "attention_dropout"):
+                m.attention_dropout = 0.0
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_refused_in_a_later_layer_rolls_back_the_earlier_ones(ferrox_llama):
+    layers = ferrox_llama.config.num_hidden_layers
+    pool = _pool_for(ferrox_llama, layers * 2 + 1, block_size=4)   # one block to spare
+    cache = FerroxCache(ferrox_llama.config, pool=pool, max_seq_len=8)
+    ids = _prompt(8, seed=51)
+    with torch.no_grad():
+        ferrox_llama(input_ids=ids, cache=cache, use_cache=True)      # every block full
+        with pytest.raises(KvPoolExhausted):                          # layer 0 gets it, 1 not
+            ferrox_llama(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        assert [layer.get_seq_length() for layer in cache.layers] == [8] * layers
+        hog_free = pool.allocate(0)
+        assert hog_free.size == 0
+        extra = FerroxCache(ferrox_llama.config, pool=_pool_for(ferrox_llama, 64, block_size=4),
+                            max_seq_len=9)
+        ferrox_llama(input_ids=ids, cache=extra, use_cache=True)
+        ref = ferrox_llama(input_ids=ids[:, :1], cache=extra, use_cache=True).logits
+    cache.close()
+    pool2 = _pool_for(ferrox_llama, 64, block_size=4)
+    retry = FerroxCache(ferrox_llama.config, pool=pool2, max_seq_len=9)
+    with torch.no_grad():
+        ferrox_llama(input_ids=ids, cache=retry, use_cache=True)
+        got = ferrox_llama(input_ids=ids[:, :1], cache=retry, use_cache=True).logits
+    torch.testing.assert_close(got, ref)
+
+
+def test_a_dropped_cache_gives_its_blocks_back_without_the_garbage_collector(model):
+    pool = _pool_for(model, 64)
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=30)
+    _gen(model, _prompt(), cache, max_new_tokens=3)
+    gc.collect()
+    gc.disable()
+    try:
+        assert pool.free_blocks < 64
+        del cache                                  # no reference cycle holds the blocks
+        assert pool.free_blocks == 64
+    finally:
+        gc.enable()

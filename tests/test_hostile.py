@@ -157,7 +157,7 @@ def test_cache_made_with_new_then_initialised_works_and_frees_once():
     c.push(np.ones(4), np.ones(4))
     c.push(np.ones(4), np.ones(4))
     assert c.seq_len == 2
-    with pytest.raises(RuntimeError, match="already set up"):
+    with pytest.raises(ValueError, match="already set up"):
         c.__init__(1, 4)
     del c
     gc.collect()
@@ -457,3 +457,52 @@ def test_torch_half_precision_tensors_get_a_type_error_that_says_how_to_convert(
             c.extend(np.ones((2, W), np.float32), torch.ones(2, W, dtype=dt))
     c.push(torch.ones(W), torch.ones(W))                     # float32 CPU: accepted
     assert c.seq_len == 1
+
+
+# -- found by review: numbers that lie, caches that share blocks, hooks ----------
+
+class LyingInt:
+    """An __index__ that returns something that is not an int (whose
+    comparisons lie and whose conversion to C gives another number)."""
+
+    class Liar(float):
+        def __lt__(self, other):
+            return False
+
+        def __gt__(self, other):
+            return False
+
+    def __index__(self):
+        return LyingInt.Liar(-3.0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda c, p: c.truncate(LyingInt()),
+    lambda c, p: c.advance_len(LyingInt()),
+    lambda c, p: KvCache.with_capacity(H, D, LyingInt()),
+    lambda c, p: KvBlockPool(LyingInt(), 4, H, D),
+    lambda c, p: p.allocate(LyingInt()),
+    lambda c, p: c.attend(np.ones((H, D), np.float32), window=LyingInt()),
+    lambda c, p: _core._assign([c, c.fork()], [0, LyingInt()]),
+])
+def test_an_index_that_returns_a_non_int_is_a_type_error(call):
+    pool = KvBlockPool(2, 8, H, D)
+    c = KvCache.with_pool(H, D, pool, 4)
+    c.push(np.ones(W, np.float32), np.ones(W, np.float32))
+    with pytest.raises(TypeError, match="must be an integer"):
+        call(c, pool)
+    assert c.seq_len == 1
+    pool.check()
+
+
+def test_a_huge_scale_that_does_not_fit_float32_is_refused():
+    c = KvCache(H, D)
+    c.push(np.ones(W, np.float32), np.ones(W, np.float32))
+    with pytest.raises(ValueError, match="finite float32"):
+        c.attend(np.ones((H, D), np.float32), scale=1e300)
+
+
+def test_copy_floor_hook_checks_its_destination():
+    src = np.ones(64, np.float32)
+    with pytest.raises(ValueError, match="writeable and C-contiguous"):
+        _core._copy_floor(np.empty(64, np.float32)[::-1], src, 8)

@@ -368,3 +368,18 @@ def test_eight_threads_with_shared_prefixes_lose_nothing():
     s = pool.stats()
     assert s["used_blocks"] == 0 and s["prefix_hits"] > 0
     assert s["free_blocks"] == 400
+
+
+def test_publishing_a_cache_with_its_fork_as_two_layers_publishes_nothing_shared():
+    pool = KvBlockPool(2, 8, H, D, prefix_cache=True)
+    c = filled(pool, 4, 4)
+    f = c.fork()                                   # shares both full blocks
+    assert pool.publish([c, f], [1, 2, 3, 4]) == 0
+    pool.check()
+    assert KvCache.with_pool_many(2, H, D, pool, 2, tokens=[1, 2, 3, 4, 5])[0].seq_len == 0
+    del c, f
+    pool.check()
+    ids = pool.allocate(8)                         # every block comes back, ids in range
+    assert sorted(ids.tolist()) == list(range(8))
+    pool.free(ids)
+    pool.check()
