@@ -134,6 +134,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     cdef float* op
     cdef size_t q_stride, o_stride, ctx_bytes = 0
     cdef Py_ssize_t* st = NULL
+    cdef bint aliased
     try:
         # 2. validate against the claimed caches
         _check_same_geometry(cl, "caches")
@@ -191,15 +192,14 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         scratch = <float*>malloc(fx_attend_scratch_floats(&a) * sizeof(float) + 64)
         q_stride = <size_t>(a.q_len * nh * hd)
         o_stride = <size_t>(a.q_len * nh * c0.v_head_dim)
-        if fx_overlap(cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa),
-                      cnp.PyArray_DATA(oa), <size_t>cnp.PyArray_NBYTES(oa)):
-            tmp = <float*>malloc(<size_t>cnp.PyArray_NBYTES(qa) + 4)   # out aliases q
-            if tmp != NULL:
-                memcpy(tmp, cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa))
-        if kvs == NULL or scratch == NULL or (tmp == NULL and fx_overlap(
-                cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa),
-                cnp.PyArray_DATA(oa), <size_t>cnp.PyArray_NBYTES(oa))):
+        aliased = fx_overlap(cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa),
+                             cnp.PyArray_DATA(oa), <size_t>cnp.PyArray_NBYTES(oa))
+        if aliased:                    # out overlaps q: the kernel reads a copy of q
+            tmp = <float*>malloc(<size_t>cnp.PyArray_NBYTES(qa) + 4)
+        if kvs == NULL or scratch == NULL or (aliased and tmp == NULL):
             raise MemoryError()
+        if aliased:
+            memcpy(tmp, cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa))
         for i in range(n):
             _kv_of(cs[i], &kvs[i])
         qp = tmp if tmp != NULL else <float*>cnp.PyArray_DATA(qa)

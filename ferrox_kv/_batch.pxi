@@ -118,6 +118,23 @@ cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
     return 0
 
 
+cdef Py_ssize_t _add_pool(BlockReq* reqs, Py_ssize_t n, Pool* p) noexcept:
+    """Add ``p`` to the ``n`` requests (distinct pools, kept in address order:
+    the order their locks are taken in) unless it is there; the new count."""
+    cdef Py_ssize_t j
+    for j in range(n):
+        if reqs[j].pool == p:
+            return n
+    j = n
+    while j > 0 and <size_t>reqs[j - 1].pool > <size_t>p:
+        reqs[j] = reqs[j - 1]
+        j -= 1
+    memset(&reqs[j], 0, sizeof(BlockReq))
+    reqs[j].pool = p
+    reqs[j].owner = OWNER_CACHE
+    return n + 1
+
+
 cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) except -1:
     """Make room for ``t`` more rows in each cache, and give each cache blocks
     of its own wherever its write range lies in blocks it shares (copy-on-
@@ -132,7 +149,6 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
     cdef int32_t* old = NULL
     cdef Py_ssize_t* pool_of = NULL    # per cache: index into reqs
     cdef BlockReq* reqs = NULL
-    cdef BlockReq tmp
     cdef Py_ssize_t failed = 0
     cdef Cache* c
     cdef Pool* p
@@ -179,25 +195,14 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                         cow_at[n_cow] = <int32_t>j
                         n_cow += 1
                         cows[i] += 1
-            # this cache's pool in the request list (kept in address order)
-            for j in range(n_pools):
-                if reqs[j].pool == p:
-                    break
-            else:
-                j = n_pools
-                while j > 0 and <size_t>reqs[j - 1].pool > <size_t>p:
-                    reqs[j] = reqs[j - 1]
-                    for at in range(i):
-                        if pool_of[at] == j - 1:
-                            pool_of[at] = j
-                    j -= 1
-                memset(&reqs[j], 0, sizeof(BlockReq))
-                reqs[j].pool = p
-                reqs[j].owner = OWNER_CACHE
-                n_pools += 1
-            pool_of[i] = j
-            reqs[j].n_fresh += grow[i] + cows[i]
-            n_fresh += grow[i] + cows[i]
+            n_pools = _add_pool(reqs, n_pools, p)
+        for i in range(n):             # each pooled cache's request, and its fresh blocks
+            if cs[i].pool != NULL:
+                for j in range(n_pools):
+                    if reqs[j].pool == cs[i].pool:
+                        pool_of[i] = j
+                reqs[pool_of[i]].n_fresh += grow[i] + cows[i]
+                n_fresh += grow[i] + cows[i]
         # 2. every pool's blocks at once
         if n_pools:
             fresh = <int32_t*>malloc(<size_t>(n_fresh if n_fresh > 0 else 1) * sizeof(int32_t))
