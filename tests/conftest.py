@@ -14,6 +14,18 @@ def rows(n, width, seed=0, scale=1.0):
     return (rng.standard_normal((n, width)) * scale + 0.5).astype(np.float32)
 
 
+class ArrayHook:
+    """An array-like whose conversion runs ``effect`` first (hostile-input
+    tests: conversion is user code that may close caches or empty lists)."""
+
+    def __init__(self, value, effect):
+        self.value, self.effect = value, effect
+
+    def __array__(self, dtype=None, copy=None):
+        self.effect()
+        return np.asarray(self.value, dtype=dtype)
+
+
 @pytest.fixture
 def make_rows():
     return rows

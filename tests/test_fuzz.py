@@ -12,22 +12,12 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 import ferrox_kv
+from conftest import ArrayHook
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
 
 H, D, BS = 2, 3, 4
 W = H * D
 ALLOWED = (ValueError, TypeError, KvPoolExhausted, MemoryError)   # MemoryError: a huge plan
-
-
-class Hook:
-    """An array-like whose conversion runs an action on the world first."""
-
-    def __init__(self, value, action):
-        self.value, self.action = value, action
-
-    def __array__(self, dtype=None, copy=None):
-        self.action()
-        return np.asarray(self.value, dtype=dtype)
 
 
 def _values(world):
@@ -41,7 +31,7 @@ def _values(world):
         arrays(np.float32, st.sampled_from([(W,), (H, D), (3, W), (2, H, D), (1, 2, W)])),
     )
     actions = st.sampled_from(["close", "clear_list", "truncate", "nothing"])
-    hooked = st.builds(lambda v, a: Hook(v, world.action(a)),
+    hooked = st.builds(lambda v, a: ArrayHook(v, world.action(a)),
                        arrays(np.float32, st.sampled_from([(W,), (2, W), (1, W)])), actions)
     return st.one_of(plain, hooked)
 

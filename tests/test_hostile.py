@@ -15,22 +15,12 @@ import numpy as np
 import pytest
 
 import ferrox_kv
+from conftest import ArrayHook
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 from ferrox_kv import _core
 
 H, D = 2, 4
 W = H * D
-
-
-class ArrayHook:
-    """An array-like whose conversion runs ``effect`` first."""
-
-    def __init__(self, value, effect):
-        self.value, self.effect = value, effect
-
-    def __array__(self, dtype=None, copy=None):
-        self.effect()
-        return np.asarray(self.value, dtype=dtype)
 
 
 def _layers(pool, n=4, h=H, d=D, max_len=8):
