@@ -537,8 +537,11 @@ K and V rows of one sequence in one layer.
         (transformers' sliding window), and never a position before
         ``start`` (left padding). Grouped-query heads: ``n_heads`` is a
         multiple of ``n_kv_heads`` and query head j reads KV head
-        ``j // (n_heads // n_kv_heads)``. ``scale`` defaults to
-        ``1/sqrt(head_dim)``; ``out`` takes a preallocated float32 array.
+        ``j // (n_heads // n_kv_heads)``. ``scale``, a real number (a str or
+        a complex is a ``TypeError``), defaults to ``1/sqrt(head_dim)``;
+        ``out`` takes a preallocated float32 array, which may overlap ``q``
+        or the storage the call reads (the result is then computed into a
+        temporary and copied to ``out``).
 
         The kernel reads the contiguous buffer, or the pool's blocks through
         the block table, in one pass with an online softmax: no gather,

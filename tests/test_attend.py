@@ -1,7 +1,9 @@
 """KvCache.attend and attend_many against a float64 numpy reference: grouped
 heads, head sizes, block sizes, every kind of cache, causal chunks, windows,
 left padding, large scores, bad input, and threads."""
+import ctypes
 import threading
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -221,6 +223,73 @@ def test_an_empty_cache_and_bad_batches_are_refused():
         attend_many([c, KvCache.with_capacity(1, 8, 1)], np.ones((2, 1, 4, 8), np.float32))
     with pytest.raises(TypeError, match="not KvCache"):
         attend_many([c, "x"], np.ones((2, 1, 4, 8), np.float32))
+
+
+def _writable(a):
+    """A writable array over the memory of the read-only view ``a`` (what a
+    caller holding a raw pointer to the storage can pass as ``out``)."""
+    ptr = ctypes.cast(a.ctypes.data, ctypes.POINTER(ctypes.c_float))
+    return np.ctypeslib.as_array(ptr, shape=a.shape)
+
+
+@pytest.mark.parametrize("where", ["contiguous", "pool-arena", "attend_many"])
+def test_out_over_the_storage_the_call_reads_gets_the_right_answer(where):
+    # q_len * n_heads > 256 (the kernel's query block): later passes read V rows
+    # that earlier passes wrote when the output went straight into out
+    t, h, d = 300, 1, 16
+    k, v = _data(t, h, d, d, seed=11)
+    q = np.random.default_rng(11).standard_normal((t, h, d)).astype(np.float32)
+    if where == "pool-arena":
+        pool = KvBlockPool(16, 24, h, d)
+        c = KvCache.with_pool(h, d, pool, t)
+        c.extend(k, v)
+        assert c.block_table.tolist() == list(range(19))      # rows in arena order
+        out = _writable(pool.value_blocks).reshape(-1, h, d)[:t]
+    else:
+        c = _cache("capacity", h, d, d, t)
+        c.extend(k, v)
+        out = _writable(c.v)
+    ref = reference(k, v, q)
+    if where == "attend_many":
+        got = attend_many([c], q[None], out=out[None])
+        assert np.shares_memory(got, out)
+        got = got[0]
+    else:
+        got = c.attend(q, out=out)
+        assert got is out
+    _check(got, ref)
+    _check(c.v, ref)                                         # the caller asked for it there
+
+
+@pytest.mark.parametrize("scale", ["0.5", b"0.5", 1j, np.complex64(0.5), [0.5], object()])
+def test_scale_must_be_a_real_number(scale):
+    c = _cache("pooled", 2, 8, 8, 5)
+    c.extend(*_data(5, 2, 8, 8))
+    before = (c.seq_len, c.k.copy())
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        c.attend(np.ones((4, 8), np.float32), scale=scale)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        attend_many([c], np.ones((1, 1, 4, 8), np.float32), scale=scale)
+    assert c.seq_len == before[0]
+    np.testing.assert_array_equal(c.k, before[1])
+
+
+@pytest.mark.parametrize("scale", [0.5, 1, np.float32(0.5), np.float64(0.5), np.int64(1),
+                                   np.array(0.5), Fraction(1, 2), True])
+def test_scale_takes_any_real_number(scale):
+    k, v = _data(5, 2, 8, 8)
+    c = _cache("capacity", 2, 8, 8, 5)
+    c.extend(k, v)
+    q = np.random.default_rng(3).standard_normal((1, 4, 8)).astype(np.float32)
+    _check(c.attend(q, scale=scale), reference(k, v, q, scale=float(scale)))
+
+
+def test_a_scale_beyond_the_float_range_is_a_value_error():
+    c = _cache("capacity", 2, 8, 8, 5)
+    c.extend(*_data(5, 2, 8, 8))
+    for scale in (10 ** 400, 1e39, float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            c.attend(np.ones((4, 8), np.float32), scale=scale)
 
 
 def test_the_simd_path_is_named():
