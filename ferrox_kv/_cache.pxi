@@ -757,6 +757,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     cdef BlockReq r
     cdef int rc
     cdef cnp.ndarray toks = None
+    cdef bint lookup = tokens is not None   # a hit or a miss, even of 0 whole blocks
     if tokens is not None:
         if p.prefix == NULL:
             raise ValueError("tokens= needs a pool with a prefix cache: "
@@ -790,7 +791,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         with nogil:
             if m_max:
                 prefix_keys(tp, m_max, bs, <int32_t>count, salt_id, keys)
-            rc = pool_reserve(p, keys if m_max else NULL, tp, m_max, <int32_t>count, salt_id,
+            rc = pool_reserve(p, keys if lookup else NULL, tp, m_max, <int32_t>count, salt_id,
                               per, ids, nb, scratch, &m, &r)
         if rc == FX_EXHAUSTED:
             raise KvPoolExhausted(r.needed, r.free_seen)

@@ -621,8 +621,10 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         came into use and went out of use), ``refused`` (requests refused for
         lack of blocks), ``block_size``, ``block_bytes``, and for the prefix
         cache ``prefix_hits`` and ``prefix_misses`` (lookups that reused at
-        least one block, or none), ``hit_tokens`` (positions reused) and
-        ``evictions`` (cached blocks given to other requests).
+        least one block, or none: every reservation with ``tokens=`` is one
+        lookup, one of the two; tokens shorter than a block are a miss),
+        ``hit_tokens`` (positions reused) and ``evictions`` (cached blocks
+        given to other requests).
         """
         cdef Pool* p = self.p
         cdef Py_ssize_t used, high, cached = 0
