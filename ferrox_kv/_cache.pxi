@@ -217,11 +217,18 @@ K and V rows of one sequence in one layer.
     operation but ``close()`` raises ``ValueError("KvCache is closed")``.
     """
 
-    def __cinit__(self):
+    def __cinit__(self, *args, **kwargs):
         memset(&self.c, 0, sizeof(Cache))
         self.c.plan = -1
         self.c.state = STATE_NEW
         self.rows = None
+        if len(args) > 2 and type(self).__init__ is KvCache.__init__:
+            raise TypeError(
+                f"KvCache() takes 2 positional arguments (n_kv_heads, head_dim) but "
+                f"{len(args)} were given: a capacity is not a constructor argument, "
+                "max_seq_len belongs to KvCache.with_capacity(n_kv_heads, head_dim, "
+                "max_seq_len=...) (rows pre-allocated) or KvCache.with_pool; "
+                "v_head_dim is keyword-only (v_head_dim=...)")
 
     def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None):
         _require(type(self).__name__, ("n_kv_heads", "head_dim"), (n_kv_heads, head_dim))
@@ -684,6 +691,13 @@ K and V rows of one sequence in one layer.
 
     def __copy__(self):
         return self.copy()
+
+    def __reduce__(self):
+        raise TypeError(
+            "KvCache objects cannot be pickled: their rows are this process's memory "
+            "(a private buffer or blocks of a KvBlockPool). Copy a cache with "
+            "cache.copy() (or copy.deepcopy); to save or send its rows, pickle the "
+            "arrays cache.k and cache.v and extend a new cache with them")
 
     def __deepcopy__(self, memo):
         return self.copy()

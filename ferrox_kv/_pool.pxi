@@ -571,6 +571,13 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
                  head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False):
         pass    # all done in __cinit__; here so that the signature is introspectable
 
+    def __reduce__(self):
+        raise TypeError(
+            "KvBlockPool objects cannot be pickled: its blocks are this process's "
+            "memory, held by its caches. Make a pool where it is needed with the same "
+            "arguments (KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, "
+            "...)); a child made by os.fork() inherits the pool")
+
     def __dealloc__(self):
         pool_decref(self.p)
         self.p = NULL
