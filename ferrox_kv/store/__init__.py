@@ -11,6 +11,8 @@ its K and V rows (``Entry``). This package holds
   ``StoreFormatError``, a ``ValueError``) naming the failing field;
 - ``save_file``/``load_file``: atomic writes (temporary file, fsync, rename,
   fsync of the directory) and whole, verified reads;
+- ``RedisPrefixStore``: one Redis value per entry, pipelined, verified on
+  fetch; Redis faults are counted misses, never exceptions.
 
 The interface the pool is to call (``pool.attach(store)``, read-through
 lookups, ``pool.save_prefixes``/``load_prefixes``; not wired yet):
@@ -46,6 +48,7 @@ from ferrox_kv.store._format import (
     row_bytes,
     write_file,
 )
+from ferrox_kv.store._redis import RedisPrefixStore
 
 __all__ = [
     "NO_PARENT",
@@ -53,6 +56,7 @@ __all__ = [
     "Decoded",
     "Entry",
     "Geometry",
+    "RedisPrefixStore",
     "StoreCorrupt",
     "StoreFormatError",
     "StoreMismatch",
