@@ -457,3 +457,98 @@ def test_the_store_works_with_a_pool_shaped_geometry(server):
     got = store.get_chain(g, np.arange(32))
     assert np.array_equal(np.concatenate([e.v[0] for e in got]).view(np.float32).reshape(32, 2, 4),
                           c.v)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A three-node Redis Cluster on loopback (no replicas), made with
+    redis-cli --cluster create."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI must run the cluster test, but redis-cli is missing "
+                               "(Debian's redis-tools, which redis-server depends on)")
+        pytest.skip("no redis-cli binary (apt-get install redis-tools)")
+    nodes = []
+    try:
+        for i in range(3):
+            folder = tmp_path / f"node{i}"
+            folder.mkdir()
+            node = ClusterNode(folder)
+            nodes.append(node.start())
+        out = subprocess.run([cli, "--cluster", "create",
+                              *[f"127.0.0.1:{n.port}" for n in nodes],
+                              "--cluster-replicas", "0", "--cluster-yes"],
+                             capture_output=True, text=True, timeout=60, env=nodes[0].env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            info = redis.Redis(port=nodes[0].port).execute_command("CLUSTER", "INFO")
+            if b"cluster_state:ok" in info:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("the cluster did not reach cluster_state:ok")
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+class ClusterNode(RedisServer):
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+
+    def start(self):
+        for _ in range(20):
+            port = _free_port_with_bus()
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", self.folder,
+                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--save", "", "--appendonly", "no", "--daemonize", "no",
+                 "--logfile", os.path.join(self.folder, "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    redis.Redis(port=port, socket_timeout=1).ping()
+                    self.port = port
+                    return self
+                except redis.RedisError:
+                    time.sleep(0.02)
+            self.stop()
+        raise RuntimeError(f"a cluster node did not start (see {self.folder}/redis.log)")
+
+
+def _free_port_with_bus():
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    import random
+    for _ in range(200):
+        port = random.randint(20000, 29999)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def test_a_redis_cluster_works_through_redis_pys_cluster_client(cluster):
+    from redis.cluster import RedisCluster
+    client = RedisCluster(host="127.0.0.1", port=cluster[0].port, socket_timeout=5)
+    store = RedisPrefixStore(client, namespace="t", fingerprint=FP)
+    tokens, entries = _chain(256)
+    assert store.put_chain(G, entries) == 16
+    assert _equal(store.get_chain(G, tokens), entries)
+    per_node = [redis.Redis(port=n.port).dbsize() for n in cluster]
+    assert sum(per_node) == 16 and sum(1 for n in per_node if n) >= 2   # spread over nodes
+    key = store.key(G, entries[5].key)
+    client.set(key, client.get(key)[:-1])                              # a truncated value
+    assert _equal(store.get_chain(G, tokens), entries[:5])
+    assert not client.exists(key)                                       # rejected, dropped
+    assert store.put_chain(G, entries) == 1
+    assert _equal(store.get_chain(G, tokens), entries)
+    s = store.stats()
+    assert (s["rejected"], s["errors"], s["hits"]) == (1, 0, 3)
+    client.close()
