@@ -120,6 +120,15 @@ def test_every_kind_of_salt_round_trips_and_keys_differ_by_salt(salt):
     assert all(chain_keys(entries[0].tokens, 4, s)[0] != mine for s in others)
 
 
+def test_entries_own_their_token_ids():
+    tokens = np.arange(8, dtype=np.int32)
+    k, v = _rows(G, 8, 0)
+    entries = entries_from_rows(G, tokens, k, v)
+    tokens[:] = 7                                     # the caller reuses its array
+    assert np.array_equal(entries[1].tokens, np.arange(4, 8))
+    assert len(decode_file(_file(entries)).entries) == 2
+
+
 def test_str_and_bytes_salts_with_the_same_bytes_are_different_tenants():
     t = np.arange(8)
     assert chain_keys(t, 4, "a") != chain_keys(t, 4, b"a")
@@ -298,7 +307,7 @@ def test_bad_geometry_fingerprint_salt_and_entries_raise_before_writing():
     bad = [entries[0]._replace(tokens=entries[0].tokens + 1), entries[1]]
     with pytest.raises(ValueError, match="chained hash"):
         write_file(f, G, FP, bad)
-    with pytest.raises(ValueError, match="entry k"):
+    with pytest.raises(ValueError, match="entry 0: k must be uint8"):
         write_file(f, G, FP, [entries[0]._replace(k=entries[0].k[:, :2])])
     with pytest.raises(ValueError, match="depth 0"):
         write_file(f, G, FP, [entries[0]._replace(parent=entries[1].key)])

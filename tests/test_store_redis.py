@@ -165,6 +165,22 @@ def test_a_512_token_chain_round_trips_in_a_few_round_trips(server):
     assert server.client().dbsize() == 32
 
 
+def test_a_repeated_publish_encodes_nothing_and_a_partial_one_only_the_missing(server,
+                                                                               monkeypatch):
+    import ferrox_kv.store._redis as r
+    encoded = []
+    real = r.encode_value
+    monkeypatch.setattr(r, "encode_value", lambda g, fp, e: encoded.append(e.depth) or real(g, fp, e))
+    store = _store(server)
+    tokens, entries = _chain(128)
+    assert store.put_chain(G, entries[:3]) == 3 and encoded == [0, 1, 2]
+    encoded.clear()
+    assert store.put_chain(G, entries) == 5 and encoded == [3, 4, 5, 6, 7]
+    encoded.clear()
+    assert store.put_chain(G, entries) == 0 and encoded == []
+    assert _equal(store.get_chain(G, tokens), entries)
+
+
 def test_batches_split_by_bytes_and_a_continuation_from_a_local_prefix(server):
     client = CountingRedis(port=server.port, socket_timeout=5)
     one = len(encode_value(G, FP, _chain(16)[1][0]))
@@ -358,6 +374,10 @@ def test_bad_arguments_raise_before_any_io(server):
         store.get_chain(G, tokens, start=-1)
     with pytest.raises(TypeError, match="salt"):
         store.get_chain(G, tokens, salt=1.5)
+    with pytest.raises(ValueError, match="entry 1: k must be uint8"):
+        store.put_chain(G, [entries[0], entries[1]._replace(k=entries[1].k[:1])])
+    with pytest.raises(ValueError, match="entry 0: v must be uint8"):
+        store.put_chain(G, [entries[0]._replace(v=entries[0].v.view(np.int8))])
     assert c.dbsize() == 0 and store.stats()["lookups"] == 0
     assert store.put_chain(G, entries[2:]) == 2                # a run from any depth
     assert store.get_chain(G, tokens, start=2) != []

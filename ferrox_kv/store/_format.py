@@ -234,7 +234,7 @@ def entries_from_rows(geometry: Geometry, tokens: Any, k: Sequence[Any], v: Sequ
     (a ``KvCache.k``). The entries are views of the arrays given (no copy)."""
     geometry = geometry.check()
     bs, n = geometry.block_size, geometry.n_layers
-    arr = _tokens_i32(tokens)
+    arr = _tokens_i32(tokens).copy()              # the entries own their token ids
     if len(k) != n or len(v) != n:
         raise ValueError(f"k and v need one array per layer ({n}), got {len(k)} and {len(v)}")
     nb = len(arr) // bs
@@ -354,6 +354,14 @@ def _check_entry(geometry: Geometry, i: int, e: Entry) -> None:
                          f"got {tokens.dtype} {tokens.shape}")
     if type(e.depth) is not int or not 0 <= e.depth < 2**32:
         raise ValueError(f"entry {i}: depth must be an int in 0..2**32-1, got {e.depth!r}")
+    for name, a, row in (("k", e.k, geometry.k_row_bytes), ("v", e.v, geometry.v_row_bytes)):
+        a = np.asarray(a)
+        if a.dtype != np.uint8 or a.shape != (geometry.n_layers, geometry.block_size, row):
+            raise ValueError(f"entry {i}: {name} must be uint8 of shape "
+                             f"{(geometry.n_layers, geometry.block_size, row)}, got {a.dtype} "
+                             f"{a.shape}")
+    if len(e.key) != DIGEST or len(e.parent) != DIGEST:
+        raise ValueError(f"entry {i}: key and parent must be {DIGEST} bytes")
     if (e.depth == 0) != (bytes(e.parent) == NO_PARENT):
         raise ValueError(f"entry {i}: depth {e.depth} needs "
                          f"{'no parent' if e.depth == 0 else 'a parent'}")

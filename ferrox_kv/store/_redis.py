@@ -144,7 +144,6 @@ class RedisPrefixStore:
         entries = list(entries)
         check_run(geometry, entries)
         keys = [self.key(geometry, e.key) for e in entries]
-        values = [encode_value(geometry, self._fp, e) for e in entries]
         written = tokens = nbytes = 0
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -158,18 +157,18 @@ class RedisPrefixStore:
                     if p:
                         pipe.expire(keys[i], self.ttl)
                 pipe.execute()
-            at = 0
-            while at < len(todo):
+            # values are encoded batch by batch, only for the missing keys
+            todo.reverse()
+            value = encode_value(geometry, self._fp, entries[todo[-1]]) if todo else b""
+            while todo:
                 pipe = self._client.pipeline(transaction=False)
                 n = size = 0
-                while at + n < len(todo) and (
-                        not n or size + len(values[todo[at + n]]) <= self.batch_bytes):
-                    i = todo[at + n]
-                    pipe.set(keys[i], values[i], ex=self.ttl)
-                    size += len(values[i])
+                while todo and (not n or size + len(value) <= self.batch_bytes):
+                    pipe.set(keys[todo.pop()], value, ex=self.ttl)
+                    size += len(value)
                     n += 1
+                    value = encode_value(geometry, self._fp, entries[todo[-1]]) if todo else b""
                 pipe.execute()
-                at += n
                 written += n
                 tokens += n * geometry.block_size
                 nbytes += size
@@ -192,7 +191,7 @@ class RedisPrefixStore:
         if limit is not None and (type(limit) is not int or limit < 0):
             raise ValueError(f"limit must be None or a non-negative int, got {limit!r}")
         bs = geometry.block_size
-        tokens = _tokens_i32(tokens)
+        tokens = _tokens_i32(tokens).copy()           # a private copy: checked against values
         chain = chain_keys(tokens, bs, salt)
         stop = len(chain) if limit is None else min(len(chain), start + limit)
         per_batch = max(1, self.batch_bytes // (geometry.payload_bytes + 4 * bs + 256))
