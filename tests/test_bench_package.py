@@ -201,13 +201,13 @@ def test_verdict_counts_misses_the_hardware_floor_also_misses():
     code = judged["threads.push.cached", "wide"]
     assert code.verdict == "MISSED" and not code.hardware_bound
     assert code.hint == "benchmarks/NOTES.md, target threads.push.cached"
-    assert verdict_line(ev) == ("verdict: 1 of 3 targets met, 2 missed (1 of the misses "
-                                "hardware-bound on this machine: its C floor misses the "
-                                "same goal)")
+    assert verdict_line(ev) == ("verdict: 1 of 3 targets met, 2 missed, 1 of them "
+                                "hardware-bound on this machine (the C floor itself misses "
+                                "the goal)")
     # the floor scaling well makes the same miss ferrox's own
     res = _threads_res(ext_stream=1.2, floor_stream=1.9, push_cached=1.8)
     ev = evaluate(_all_targets(res), res)
-    assert verdict_line(ev).startswith("verdict: 2 of 3 targets met, 1 missed (0 of the misses")
+    assert verdict_line(ev).startswith("verdict: 2 of 3 targets met, 1 missed, 0 of them")
 
 
 def test_report_opens_with_the_verdict_line_and_says_which_way_each_ratio_is_good():
@@ -293,3 +293,56 @@ def test_best_of_times_nothing_of_a_warm_up_pass():
     best = best_of([("v", lambda: None, run)], reps=1)
     assert len(calls) == 2
     assert best["v"] < 0.15, best
+
+
+# ---------------------------------------------------------------------------
+# the command line's edges
+# ---------------------------------------------------------------------------
+
+def test_oversubscribed_threads_warning_names_the_threads_and_the_cpus():
+    from ferrox_kv.bench.groups.threads import oversubscribed
+    assert oversubscribed(2, cpus=2) is None
+    msg = oversubscribed(16, cpus=2)
+    assert msg.startswith("warning: --threads 16 exceeds the 2 CPUs") and "time-slicing" in msg
+
+
+def test_thread_scaling_warns_past_the_cpus_and_shows_progress(tmp_path):
+    from ferrox_kv.bench.harness import thread_counts, usable_cpus
+    n = usable_cpus() + 1
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "thread_scaling.py"),
+                        "--threads", str(n), "--quick", "--geometry", "small"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert f"warning: --threads {n} exceeds the {usable_cpus()} CPU" in p.stderr
+    assert p.stderr.index("warning:") < p.stderr.index("run 1/")     # before the work
+    # one progress line per timed run: 2 regimes x 4 works x 2 reps x the counts
+    runs = re.findall(r"threads small \[(cached|stream)\] \w+ \(\d/4\): \d+ threads?, "
+                      r"run (\d+)/(\d+)", p.stderr)
+    per = 2 * len(thread_counts(n))
+    assert len(runs) == 2 * 4 * per and {int(t) for _, _, t in runs} == {per}
+    assert "== threads" in p.stdout
+
+
+@pytest.mark.parametrize("argv", [["-m", "ferrox_kv", "info"],
+                                  ["-m", "ferrox_kv.bench", "--quick", "--groups", "pool"]])
+def test_a_closed_pipe_ends_the_command_quietly(argv, tmp_path):
+    """`ferrox-kv info | head`: the reader is gone before the command
+    writes; no traceback, the status of a tool killed by SIGPIPE."""
+    p = subprocess.Popen([sys.executable, *argv], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()               # the reader leaves before anything is written
+    _, err = p.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+    assert p.returncode == 141, err.decode()
+
+
+def test_plot_without_matplotlib_refuses_before_any_group_runs(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; "
+            "from ferrox_kv.bench.runner import main; "
+            "sys.exit(main(['--groups', 'push,extend,pool,threads', '--plot', 'x.png']))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+    assert "--plot needs matplotlib" in p.stderr and "pip install 'ferrox_kv[plot]'" in p.stderr
+    assert "[bench" not in p.stderr                 # no group started
+    assert not (tmp_path / "x.png").exists()

@@ -101,6 +101,10 @@ def run(args):
     if args.threads < 1:
         print("--threads must be >= 1", file=sys.stderr)
         return 2
+    if args.plot and not have_matplotlib():
+        print(f"--plot needs matplotlib, which is not installed: {PLOT_INSTALL} "
+              "(or run without --plot)", file=sys.stderr)
+        return 2
     geos = args.geometry or list(GEOMETRIES)
     groups = [g for g in GROUPS if g in args.groups]     # registry order
     q = args.quick
@@ -109,11 +113,6 @@ def run(args):
     torch_ok = have_torch() if needs_torch else False
     hf_ok = have_hf() if needs_torch else False
     skipped = skipped_line(groups, torch_ok, hf_ok) if needs_torch else None
-    plot_path = args.plot
-    if plot_path and not have_matplotlib():
-        print(f"--plot: not drawn, matplotlib is not installed. To draw it: {PLOT_INSTALL}",
-              flush=True)
-        plot_path = None
 
     res = Results()
     t_start = time.perf_counter()
@@ -136,10 +135,10 @@ def run(args):
     elapsed = time.perf_counter() - t_start
     print(f"\n(ran {elapsed:.0f} s; ratios are from this one run; 'of' names the denominator,"
           " 'better' which way is good)")
-    if plot_path:
+    if args.plot:
         from ferrox_kv.bench.plot import plot
-        plot(res, plot_path, evaluated, ferrox_kv.__version__)
-        print(f"plot: {plot_path}")
+        plot(res, args.plot, evaluated, ferrox_kv.__version__)
+        print(f"plot: {args.plot}")
     if args.json:
         doc = {
             "schema": SCHEMA,

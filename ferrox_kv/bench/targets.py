@@ -93,5 +93,5 @@ def verdict_line(evaluated):
         return f"verdict: all {len(judged)} target{'s' if len(judged) > 1 else ''} met"
     bound = sum(v.hardware_bound for v in missed)
     return (f"verdict: {len(judged) - len(missed)} of {len(judged)} targets met, "
-            f"{len(missed)} missed ({bound} of the misses hardware-bound on this machine: "
-            "its C floor misses the same goal)")
+            f"{len(missed)} missed, {bound} of them hardware-bound on this machine "
+            "(the C floor itself misses the goal)")
