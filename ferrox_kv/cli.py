@@ -76,6 +76,23 @@ def cmd_info(args):
 # the command
 # ---------------------------------------------------------------------------
 
+def quiet_on_closed_pipe(func, *args):
+    """``func(*args)``, then stdout flushed; when the reader of stdout has
+    gone (``ferrox-kv info | head``), exit quietly with the status a tool
+    killed by SIGPIPE has (141), as command-line tools do."""
+    try:
+        status = func(*args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # stdout's buffered rest cannot be written: point it at /dev/null so
+        # that the interpreter's own flush at exit does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
+
+
 def make_parser(prog="ferrox-kv"):
     from ferrox_kv import bench
 
@@ -99,7 +116,7 @@ def main(argv=None, prog=None):
         if prog in ("__main__.py", "-c", "") or prog.endswith(".py"):
             prog = "ferrox-kv"
     args = make_parser(prog).parse_args(argv)
-    return args.func(args)
+    return quiet_on_closed_pipe(args.func, args)
 
 
 if __name__ == "__main__":
