@@ -292,6 +292,8 @@ BAD = [
     ("stream a string", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("n of 3", {"prompt": "a", "n": 3}, 400, "n"),
     ("five stop strings", {"prompt": "a", "stop": list("abcde")}, 400, "stop"),
+    ("a stop string of 10**5 characters", {"prompt": "a", "stop": "x" * 10 ** 5}, 400, "stop"),
+    ("a seed beyond 64 bits", {"prompt": "a", "seed": 1 << 70}, 400, "seed"),
     ("token id out of range", {"prompt": [1, 10 ** 6]}, 400, "prompt"),
     ("negative token id", {"prompt": [-1]}, 400, "prompt"),
     ("a model not served", {"prompt": "a", "model": "gpt-5"}, 404, "model"),
@@ -518,3 +520,82 @@ def test_threads_mode_equals_generate_and_sigterm_drains(model_dir, workdir, ref
         rc = srv.stop()
     assert rc == 0, srv.log()
     assert "pool.check() passed, used_blocks=0" in srv.log()
+
+
+# -- schemathesis against the app's own OpenAPI document ------------------------------
+
+SCHEMA_EXAMPLES = int(os.environ.get("FERROX_KV_SCHEMA_EXAMPLES", "15"))
+
+
+def test_schemathesis_finds_no_5xx_and_no_leaked_block(server):
+    """Requests generated from /openapi.json for every operation, valid and
+    invalid (SCHEMA_EXAMPLES of each per operation, no deadline): never a
+    5xx, and every request's blocks come back."""
+    if os.environ.get("CI") or os.environ.get("FERROX_KV_REQUIRE_INSTALLED"):
+        import schemathesis
+    else:
+        schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                       "/health", "/metrics"}
+    seen = []
+    for op in ops:
+        modes = [GenerationMode.POSITIVE]
+        if op.method.upper() == "POST":          # a GET without parameters has no invalid form
+            modes.append(GenerationMode.NEGATIVE)
+        for mode in modes:
+            @given(case=op.as_strategy(generation_mode=mode))
+            @settings(max_examples=SCHEMA_EXAMPLES, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                if isinstance(case.body, dict) and "messages" in case.body:   # bounded time
+                    for k in ("max_tokens", "max_completion_tokens"):
+                        v = case.body.get(k)
+                        if v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                         and v > 32):
+                            case.body[k] = 32
+                elif isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
+                    case.body["max_tokens"] = min(case.body["max_tokens"], 32)
+                response = case.call(base_url=server.url, timeout=60)
+                seen.append(response.status_code)
+                assert response.status_code < 500, (case.method, case.path, case.body,
+                                                    response.text)
+            run()
+    assert 200 in seen and 400 in seen, sorted(set(seen))
+    assert_blocks_back(server)
+
+
+# -- the README's serving examples, against the live server ------------------------------
+
+def _readme_block(lang, marker):
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "README.md")
+    blocks = re.findall(rf"```{lang}\n(.*?)```", open(readme).read(), re.S)
+    return next(b for b in blocks if marker in b)
+
+
+def test_readme_serving_examples_run_as_written(server, capsys):
+    """The curl and openai examples of README "Serving", with the README's
+    address replaced by the test server's."""
+    import shutil
+    import subprocess
+
+    assert shutil.which("curl"), "the README's curl example needs curl"
+    here = server.url.replace("http://", "")
+    cmd = _readme_block("bash", "curl -s").replace("127.0.0.1:8000", here)
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["choices"][0]["finish_reason"] in ("length", "stop") and d["usage"]["prompt_tokens"]
+    code = _readme_block("python", "OpenAI(base_url").replace("127.0.0.1:8000", here)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("turn 0:") and lines[0].endswith(" 0 from the prefix cache")
+    cached = int(lines[1].split(", ")[1].split()[0])
+    assert lines[1].startswith("turn 1:") and cached >= 16, lines
+    assert len(lines) == 3
+    assert_blocks_back(server)

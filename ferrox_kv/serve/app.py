@@ -29,6 +29,7 @@ from ferrox_kv.serve.engine import NeverFits, Overloaded, Request, Sampling
 __all__ = ["make_app"]
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 256
 
 
 class _Strict(BaseModel):
@@ -40,7 +41,7 @@ class _Common(_Strict):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
     n: StrictInt | None = Field(default=None, ge=1, le=1)
     stream: StrictBool | None = False
@@ -136,6 +137,7 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
     app = FastAPI(title="ferrox-kv serve", version="0.1.0",
                   description="OpenAI-compatible completions over a ferrox_kv pool")
     tok = engine.tokenizer
+    vocab = engine.model.get_input_embeddings().num_embeddings    # ids the model can embed
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -178,6 +180,8 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > MAX_STOP:
             raise _Bad(f"stop: at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+        if any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise _Bad(f"stop: each sequence at most {MAX_STOP_CHARS} characters", "stop")
         return stops
 
     def _check_model(body):
@@ -199,8 +203,7 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
                 ids = tok(body.prompt)["input_ids"]
             else:
                 ids = body.prompt
-                vocab = len(tok)
-                if any(i < 0 or i >= max(vocab, engine.model.config.vocab_size) for i in ids):
+                if any(i < 0 or i >= vocab for i in ids):
                     raise _Bad(f"prompt: token ids must be in [0, {vocab})", "prompt")
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             return await _run(http, body, ids, max_tokens, chat=False)

@@ -49,6 +49,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds running requests get to finish after SIGTERM (30)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--make-tiny", action="store_true",
+                    help="first write a tiny random Llama and tokenizer at MODEL_DIR if it does "
+                         "not exist (ferrox_kv.serve.tiny), to try the server offline")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--log-level", default="warning",
@@ -66,6 +69,9 @@ def load(args):
     from ferrox_kv import KvBlockPool
     from ferrox_kv.hf import ATTENTION, kv_geometry
 
+    if args.make_tiny and not os.path.exists(args.model_dir):
+        from ferrox_kv.serve.tiny import make_model_dir
+        make_model_dir(args.model_dir)
     if not os.path.isdir(args.model_dir):
         raise SystemExit(f"ferrox-kv serve: {args.model_dir!r} is not a directory; pass the path "
                          "of a checkpoint saved with save_pretrained (model and tokenizer)")

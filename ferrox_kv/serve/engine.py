@@ -543,7 +543,7 @@ class Engine:
         # hold back an incomplete character, and a tail that may start a stop string
         hold = 1 if text.endswith("\ufffd") else 0
         for s in r.stop:
-            for k in range(len(s) - 1, 0, -1):
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):
                     hold = max(hold, k)
                     break
