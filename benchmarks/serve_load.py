@@ -335,7 +335,10 @@ def main(argv=None):
     print(f"| 64 on a pool for 8: 200 or 503+RA | {100 * o['share_ok']:.0f} % | 100 % |")
     b1, b64 = get("batch", 1), get("batch", 64)
     if b1 and b64:
-        print(f"| RSS at 64 vs at 1 (batch) | {b64['rss_kib'] / b1['rss_kib']:.3f}x | "
+        pool_mib = args.kv_blocks * 16 * BENCH["kv_heads"] * BENCH["head_dim"] * 2 * 4 / 2 ** 20
+        print(f"| RSS at 64 vs at 1 (batch) | {b64['rss_kib'] / 1024:.0f} vs "
+              f"{b1['rss_kib'] / 1024:.0f} MiB ({b64['rss_kib'] / b1['rss_kib']:.3f}x; the pool "
+              f"is {pool_mib:.0f} MiB, its pages resident as blocks are first used) | "
               "<= 1.1x + the pool |")
     s = next((r for r in rows if r["mode"] == "soak"), None)
     if s:
