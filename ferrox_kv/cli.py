@@ -2,6 +2,7 @@
 
     ferrox-kv bench [--quick] [--json FILE] [--plot FILE.png] [--groups ...] ...
     ferrox-kv info
+    ferrox-kv serve MODEL_DIR [--kv-gib N | --kv-blocks N] ...   (the [serve] extra)
 """
 from __future__ import annotations
 
@@ -107,6 +108,12 @@ def make_parser(prog="ferrox-kv"):
     b.set_defaults(func=bench.run)
     i = sub.add_parser("info", help="version, build, SIMD path, GIL thresholds, environment")
     i.set_defaults(func=cmd_info)
+    from ferrox_kv.serve import cli as serve_cli     # argparse only; the server loads on run
+    s = sub.add_parser("serve", help="an OpenAI-compatible server over a local checkpoint",
+                       description=serve_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_cli.add_arguments(s)
+    s.set_defaults(func=serve_cli.run)
     return ap
 
 
