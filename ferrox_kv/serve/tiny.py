@@ -81,7 +81,7 @@ def main(argv=None):
     return 0
 
 
-# the hf bench model (ferrox_kv/_bench_hf.py): 2 layers, 32 query heads over 8
+# the hf bench model (ferrox_kv/bench/llama.py): 2 layers, 32 query heads over 8
 # KV heads x 128, hidden 1024
 BENCH = dict(hidden=1024, layers=2, heads=32, kv_heads=8, head_dim=128, intermediate=1024,
              vocab=1024, context=4096)
