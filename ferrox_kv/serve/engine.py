@@ -200,9 +200,12 @@ class StepCache(Cache):
     ``requests[b].caches[layer]``. Lengths may differ; positions come from
     the caller's ``position_ids``."""
 
-    def __init__(self, requests):
+    def __init__(self, requests, config):
         super().__init__(layers=[_StepLayer(i, [r.caches[i] for r in requests])
                                  for i in range(len(requests[0].caches))])
+        self.config = config              # what the "ferrox" attention reads of its layer's owner
+        for layer in self.layers:
+            layer._owner = self
 
 
 def _roll_back(requests, lengths):
@@ -506,7 +509,8 @@ class Engine:
         ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.tensor([[L + i for i in range(n)] for L in lengths], dtype=torch.long)
         try:
-            out = self.model(input_ids=ids, position_ids=pos, cache=StepCache(requests),
+            out = self.model(input_ids=ids, position_ids=pos,
+                             cache=StepCache(requests, self.model.config),
                              use_cache=True, logits_to_keep=1)
         except BaseException:
             _roll_back(requests, lengths)
