@@ -5,15 +5,16 @@
 
 cdef extern from "_attn.h" nogil:
     ctypedef struct fx_kv:
-        const float* k
-        const float* v
+        const void* k
+        const void* v
         const int32_t* table
         Py_ssize_t block_size
-        size_t k_block
+        size_t k_block            # bytes
         size_t v_block
-        size_t k_row
+        size_t k_row              # bytes
         size_t v_row
         Py_ssize_t len
+        int dtype
     ctypedef struct fx_attn_args:
         int n_kv_heads
         int head_dim
@@ -27,6 +28,7 @@ cdef extern from "_attn.h" nogil:
     void fx_attend(const fx_kv* kv, const fx_attn_args* a, const float* q, float* out,
                    float* scratch)
     const char* fx_attend_simd_path()
+    const char* fx_attend_load_path(int dtype)
 
 from libc.math cimport sqrt
 
@@ -64,8 +66,9 @@ cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
     """Where the kernel finds a cache's rows."""
     cdef Pool* p = c.pool
     kv.len = c.len
-    kv.k_row = <size_t>c.kw
-    kv.v_row = <size_t>c.vw
+    kv.dtype = FX_F32
+    kv.k_row = <size_t>c.kw * sizeof(float)
+    kv.v_row = <size_t>c.vw * sizeof(float)
     if p == NULL:
         kv.k = c.k
         kv.v = c.v
@@ -78,8 +81,8 @@ cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
         kv.v = p.v_arena
         kv.table = c.table
         kv.block_size = p.block_size
-        kv.k_block = p.k_block_floats
-        kv.v_block = p.v_block_floats
+        kv.k_block = p.k_block_floats * sizeof(float)
+        kv.v_block = p.v_block_floats * sizeof(float)
 
 
 cdef void _attend_each(const fx_kv* kvs, fx_attn_args* a, const Py_ssize_t* st,

@@ -4,7 +4,7 @@
 
 cimport cython
 cimport numpy as cnp
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, uint16_t, uint64_t
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
@@ -28,6 +28,19 @@ cdef extern from "_fx.h" nogil:
     uint64_t fx_block_key(uint64_t parent, const int32_t* tokens, Py_ssize_t n,
                           uint64_t layers, uint64_t salt)
     float fx_read_rows(const float* p, Py_ssize_t n, Py_ssize_t width, Py_ssize_t stride)
+    # storage dtypes and row conversions (_conv.h)
+    enum:
+        FX_F32
+        FX_F16
+        FX_BF16
+        FX_I8
+    size_t fx_row_bytes(int n_heads, int head_dim, int dtype)
+    void fx_rows_from_f32(void* dst, size_t dst_row, const float* src, size_t src_row_floats,
+                          Py_ssize_t n_rows, int n_heads, int head_dim, int dtype)
+    void fx_rows_to_f32(float* dst, size_t dst_row_floats, const void* src, size_t src_row,
+                        Py_ssize_t n_rows, int n_heads, int head_dim, int dtype)
+    void fx_rows_from_half(void* dst, size_t dst_row, const uint16_t* src, size_t src_row_elems,
+                           Py_ssize_t n_rows, int n_heads, int head_dim, int src_dtype, int dtype)
 
 
 # Who holds a block: caches share and give back only blocks caches took, and

@@ -132,6 +132,81 @@ def test_large_magnitude_scores_stay_finite_and_exact():
     _check(out, reference(k, v, q, scale=1.0), tol=1e-4)
 
 
+def _sdpa_numerics_caches(t=6, h=2, d=8):
+    """A contiguous and a pooled cache (shuffled blocks) holding the same rows."""
+    k, v = _data(t, h, d, d, seed=21)
+    caches = [_cache("capacity", h, d, d, t), _cache("pooled-shuffled", h, d, d, t, block_size=4)]
+    return k, v, caches
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("many", [False, True], ids=["attend", "attend_many"])
+def test_a_nan_or_inf_in_q_gives_nan_as_sdpa_does(bad, many):
+    k, v, caches = _sdpa_numerics_caches()
+    q = np.random.default_rng(22).standard_normal((2, 4, 8)).astype(np.float32)
+    q[1, 0, 3] = bad                                        # position 1, query head 0
+    for c in caches:
+        c.extend(k, v)
+        out = attend_many([c], q[None])[0] if many else c.attend(q)
+        assert np.isnan(out[1, 0]).all(), out[1, 0]
+        ok = np.ones(out.shape[:2], bool)
+        ok[1, 0] = False
+        _check(out[ok], reference(k, v, q)[ok])             # every other query is untouched
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("many", [False, True], ids=["attend", "attend_many"])
+def test_a_nan_in_one_k_row_propagates_as_one_in_v_does(where, many):
+    k, v, caches = _sdpa_numerics_caches()
+    (k if where == "k" else v)[3, 1, 0] = np.nan           # row 3, kv head 1
+    q = np.random.default_rng(23).standard_normal((4, 4, 8)).astype(np.float32)
+    for c in caches:
+        c.extend(k, v)
+        out = attend_many([c], q[None])[0] if many else c.attend(q)
+        # positions 2..5 are queried; those at >= 3 see row 3; heads 2, 3 read kv
+        # head 1: a NaN score poisons the whole output vector, a NaN value its dim
+        assert np.isnan(out[1:, 2:] if where == "k" else out[1:, 2:, 0]).all()
+        if where == "v":
+            assert np.isfinite(out[:, :, 1:]).all()
+        assert np.isfinite(out[0]).all() and np.isfinite(out[:, :2]).all()
+        _check(out[:, :2], reference(k, v, q)[:, :2])
+
+
+def test_a_plus_inf_score_is_nan_and_a_minus_inf_score_has_weight_zero():
+    k, v, caches = _sdpa_numerics_caches()
+    q = np.ones((1, 4, 8), np.float32)
+    k[2, 0, 0] = np.inf                                     # score +inf for kv head 0
+    k[4, 1, 0] = -np.inf                                    # score -inf for kv head 1
+    for c in caches:
+        c.extend(k, v)
+        out = c.attend(q)
+        assert np.isnan(out[0, :2]).all()
+        keep = [0, 1, 2, 3, 5]
+        _check(out[0, 2:], reference(k[keep], v[keep], q)[0, 2:])
+
+
+@pytest.mark.parametrize("scale", [1e38, -1e38, 3.4e38, 1e20])
+@pytest.mark.parametrize("many", [False, True], ids=["attend", "attend_many"])
+def test_any_finite_scale_gives_the_exact_softmax(scale, many):
+    # scores of 3 (rows 1 and 4) and 1 or 2 elsewhere: with a huge positive
+    # scale the answer is the mean of V over the top rows, with a huge
+    # negative one the mean over the bottom rows (the issue: zeros)
+    h, d, t = 1, 4, 6
+    k = np.zeros((t, h, d), np.float32)
+    k[:, 0, 0] = [1, 3, 2, 1, 3, 2]
+    v = np.random.default_rng(24).standard_normal((t, h, d)).astype(np.float32)
+    q = np.ones((1, 2, d), np.float32)
+    for kind in ("capacity", "pooled-shuffled"):
+        c = _cache(kind, h, d, d, t, block_size=4)
+        c.extend(k, v)
+        out = attend_many([c], q[None], scale=scale)[0] if many else c.attend(q, scale=scale)
+        rows = [1, 4] if scale > 0 else [0, 3]
+        want = v[rows, 0].mean(axis=0)
+        np.testing.assert_allclose(out[0], np.stack([want, want]), rtol=1e-6, atol=1e-6)
+        if scale == 1e20:
+            _check(out, reference(k, v, q, scale=scale))
+
+
 def test_scale_and_out_are_honoured_and_out_may_alias_q():
     k, v = _data(20, 2, 8, 8, seed=6)
     c = _cache("capacity", 2, 8, 8, 20)
