@@ -597,5 +597,5 @@ def test_readme_serving_examples_run_as_written(server, capsys):
     assert lines[0].startswith("turn 0:") and lines[0].endswith(" 0 from the prefix cache")
     cached = int(lines[1].split(", ")[1].split()[0])
     assert lines[1].startswith("turn 1:") and cached >= 16, lines
-    assert len(lines) == 3
+    assert len(lines) >= 3                 # then the streamed text (a random model's: may hold newlines)
     assert_blocks_back(server)

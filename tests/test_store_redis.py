@@ -43,16 +43,22 @@ class RedisServer:
     def __init__(self, folder, port=None):
         self.folder, self.port, self.proc = str(folder), port, None
 
+    # what this server runs with beyond the port, the folder and no persistence
+    extra = ("--enable-debug-command", "yes")
+    # the environment of the server: not the suite's ASan preload
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+
+    def _port(self):
+        return self.port or _free_port()
+
     def start(self):
         for _ in range(20):
-            port = self.port or _free_port()
+            port = self._port()
             self.proc = subprocess.Popen(
                 [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", self.folder,
-                 "--save", "", "--appendonly", "no", "--enable-debug-command", "yes",
+                 "--save", "", "--appendonly", "no", *self.extra,
                  "--daemonize", "no", "--logfile", os.path.join(self.folder, "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={k: v for k, v in os.environ.items()     # not the suite's ASan preload
-                     if k not in ("LD_PRELOAD", "ASAN_OPTIONS")})
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
@@ -516,27 +522,10 @@ def cluster(tmp_path):
 
 
 class ClusterNode(RedisServer):
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+    extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
 
-    def start(self):
-        for _ in range(20):
-            port = _free_port_with_bus()
-            self.proc = subprocess.Popen(
-                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", self.folder,
-                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--save", "", "--appendonly", "no", "--daemonize", "no",
-                 "--logfile", os.path.join(self.folder, "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    redis.Redis(port=port, socket_timeout=1).ping()
-                    self.port = port
-                    return self
-                except redis.RedisError:
-                    time.sleep(0.02)
-            self.stop()
-        raise RuntimeError(f"a cluster node did not start (see {self.folder}/redis.log)")
+    def _port(self):
+        return _free_port_with_bus()
 
 
 def _free_port_with_bus():
