@@ -59,7 +59,9 @@ def test_the_readme_asan_commands_are_the_ones_ci_runs():
     ci = _ci_lines()
     install = next(x for x in ci if x.startswith("FERROX_KV_DEBUG=1 pip install"))
     run = next(x for x in ci if "ASAN_OPTIONS=" in x and "pytest" in x)
-    assert "FERROX_KV_ASAN=1" in run and 'LD_PRELOAD="$(gcc -print-file-name=libasan.so)"' in run
+    assert "FERROX_KV_ASAN=1" in run
+    assert ('LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(g++ -print-file-name=libstdc++.so)"'
+            in run)
     readme = _readme_bash_lines()
     assert install in readme
     assert run in readme
