@@ -111,3 +111,25 @@ def test_the_serve_subcommand_and_a_missing_model_dir(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "is not a directory" in out.stderr and "save_pretrained" in out.stderr
+
+
+@pytest.mark.parametrize("temperature", [5.5e-72, 1e-320, 1e-30])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    # logits / temperature overflowed to inf, and softmax of inf - inf is NaN:
+    # torch.multinomial then refused the probabilities (a 500 for the request)
+    from ferrox_kv.serve.engine import Sampling
+
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5, float("-inf")])
+    s = Sampling(temperature, seed=0)
+    assert [s.pick(logits) for _ in range(20)] == [1] * 20
+
+
+def test_sampling_follows_the_softmax_at_temperature_one():
+    from ferrox_kv.serve.engine import Sampling
+
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    s = Sampling(1.0, seed=1)
+    n = 4000
+    counts = torch.bincount(torch.tensor([s.pick(logits) for _ in range(n)]), minlength=3)
+    want = torch.softmax(logits, 0) * n
+    assert (counts.double() - want.double()).abs().max() < 5 * want.max().sqrt()

@@ -88,7 +88,11 @@ class Sampling:
         """The next token id from a (vocab,) float tensor."""
         if self.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        # the max is taken out before the division, in float64: any positive
+        # temperature, however small, then gives scores <= 0 (-inf at worst),
+        # never inf - inf
+        x = logits.double()
+        probs = torch.softmax((x - x.max()) / self.temperature, dim=-1)
         if self.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p
