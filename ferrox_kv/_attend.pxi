@@ -67,19 +67,19 @@ cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
     kv.k_row = <size_t>c.kw
     kv.v_row = <size_t>c.vw
     if p == NULL:
-        kv.k = c.k
-        kv.v = c.v
+        kv.k = <const float*>c.k
+        kv.v = <const float*>c.v
         kv.table = NULL
         kv.block_size = 0
         kv.k_block = 0
         kv.v_block = 0
     else:
-        kv.k = p.k_arena
-        kv.v = p.v_arena
+        kv.k = <const float*>p.k_arena
+        kv.v = <const float*>p.v_arena
         kv.table = c.table
         kv.block_size = p.block_size
-        kv.k_block = p.k_block_floats
-        kv.v_block = p.v_block_floats
+        kv.k_block = p.k_block // sizeof(float)
+        kv.v_block = p.v_block // sizeof(float)
 
 
 cdef void _attend_each(const fx_kv* kvs, fx_attn_args* a, const Py_ssize_t* st,
@@ -173,7 +173,9 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                                  "are the cache's last q_len positions")
             if starts is not None and starts[i] < 0:
                 raise ValueError(f"start must be >= 0, got {starts[i]}")
-            ctx_bytes += <size_t>cs[i].len * <size_t>(cs[i].kw + cs[i].vw) * sizeof(float)
+            if cs[i].dtype != FX_F32:
+                raise NotImplementedError("attention over a reduced-precision cache (TEMPORARY)")
+            ctx_bytes += <size_t>cs[i].len * (cs[i].k_row + cs[i].v_row)
         shape = ((n,) if batched else ()) + ((q_len,) if q_len >= 0 else ()) + (nh, c0.v_head_dim)
         if oa is None:
             oa = np.empty(shape, np.float32)
