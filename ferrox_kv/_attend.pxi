@@ -5,15 +5,16 @@
 
 cdef extern from "_attn.h" nogil:
     ctypedef struct fx_kv:
-        const float* k
-        const float* v
+        const void* k
+        const void* v
         const int32_t* table
         Py_ssize_t block_size
-        size_t k_block
+        size_t k_block            # bytes
         size_t v_block
-        size_t k_row
+        size_t k_row              # bytes
         size_t v_row
         Py_ssize_t len
+        int dtype
     ctypedef struct fx_attn_args:
         int n_kv_heads
         int head_dim
@@ -27,6 +28,7 @@ cdef extern from "_attn.h" nogil:
     void fx_attend(const fx_kv* kv, const fx_attn_args* a, const float* q, float* out,
                    float* scratch)
     const char* fx_attend_simd_path()
+    const char* fx_attend_load_path(int dtype)
 
 from libc.math cimport sqrt
 
@@ -54,32 +56,38 @@ def set_attend_gil_release_threshold(Py_ssize_t nbytes):
     return old
 
 
-def simd_path():
+def simd_path(dtype=None):
     """The SIMD code path the attention kernel runs on this CPU (chosen at
-    load time: the wheel carries a baseline and an x86-64-v3 version)."""
-    return fx_attend_simd_path().decode()
+    load time: the wheel carries a baseline and an x86-64-v3 version). With
+    a storage ``dtype``, also how rows of that dtype are loaded, e.g.
+    ``"x86-64-v3 (AVX2+FMA); float16: F16C vcvtph2ps"``."""
+    path = fx_attend_simd_path().decode()
+    if dtype is None:
+        return path
+    return f"{path}; {fx_attend_load_path(_dtype_code(dtype, 'dtype')).decode()}"
 
 
 cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
-    """Where the kernel finds a cache's rows."""
+    """Where the kernel finds a cache's rows: bytes, typed by the dtype."""
     cdef Pool* p = c.pool
     kv.len = c.len
-    kv.k_row = <size_t>c.kw
-    kv.v_row = <size_t>c.vw
+    kv.dtype = c.dtype
+    kv.k_row = c.k_row
+    kv.v_row = c.v_row
     if p == NULL:
-        kv.k = <const float*>c.k
-        kv.v = <const float*>c.v
+        kv.k = c.k
+        kv.v = c.v
         kv.table = NULL
         kv.block_size = 0
         kv.k_block = 0
         kv.v_block = 0
     else:
-        kv.k = <const float*>p.k_arena
-        kv.v = <const float*>p.v_arena
+        kv.k = p.k_arena
+        kv.v = p.v_arena
         kv.table = c.table
         kv.block_size = p.block_size
-        kv.k_block = p.k_block // sizeof(float)
-        kv.v_block = p.v_block // sizeof(float)
+        kv.k_block = p.k_block
+        kv.v_block = p.v_block
 
 
 cdef void _attend_each(const fx_kv* kvs, fx_attn_args* a, const Py_ssize_t* st,
@@ -173,8 +181,6 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                                  "are the cache's last q_len positions")
             if starts is not None and starts[i] < 0:
                 raise ValueError(f"start must be >= 0, got {starts[i]}")
-            if cs[i].dtype != FX_F32:
-                raise NotImplementedError("attention over a reduced-precision cache (TEMPORARY)")
             ctx_bytes += <size_t>cs[i].len * (cs[i].k_row + cs[i].v_row)
         shape = ((n,) if batched else ()) + ((q_len,) if q_len >= 0 else ()) + (nh, c0.v_head_dim)
         if oa is None:

@@ -1,15 +1,31 @@
-/* _attn.h -- causal scaled-dot-product attention (float32, grouped-query
- * heads) of q_len query positions against one sequence's K/V rows, read in
- * place from a contiguous or paged cache.  Header-only, every symbol static:
- * #include it into the translation unit that calls it.
+/* _attn.h -- causal scaled-dot-product attention (grouped-query heads) of
+ * q_len float32 query positions against one sequence's K/V rows, read in
+ * place from a contiguous or paged cache of any storage dtype (_conv.h:
+ * float32, float16, bfloat16, int8 with float16 scales), accumulated in
+ * float32.  Header-only, every symbol static: #include it into the
+ * translation unit that calls it.
  *
  * Rules the code follows
  *   - One pass over the visible rows with an online softmax (running max m,
  *     running sum l; accumulators rescaled once per chunk, only when m
- *     grows).  Scores are kept in base 2: q is pre-multiplied by
- *     scale*log2(e), so p = 2^(s - m).  Every exponent argument is <= 0 (the
- *     max is subtracted first), so scores of any magnitude cannot overflow
- *     or give NaN.
+ *     grows).  Scores are kept in base 2: with c = scale*log2(e), q is
+ *     pre-multiplied by c when |c| <= 1 (f = 1), else by sign(c) (f = |c|;
+ *     2 and |c|/2 beyond FLT_MAX), and p = 2^((s - m) * f).  s - m <= 0 and
+ *     f > 0, so the exponent argument is never positive: any finite scale x
+ *     score gives the exact softmax (scale=1e38 over equal scores is their
+ *     mean), with no overflow.
+ *   - Numerics follow torch's SDPA: a NaN in q, in a visible K row or in a
+ *     visible V row makes the outputs of the query vectors that read it NaN;
+ *     a +inf score is NaN (inf - inf), a -inf score has weight 0, and a
+ *     query whose visible scores are all -inf is NaN.  A query that sees no
+ *     row (window, start) gets zeros.  NaN costs nothing in the hot loop:
+ *     exp2 passes NaN through, and the max ignores it.
+ *   - The dtype changes only the row load (FXA_LD): float32 as is, float16
+ *     by F16C's vcvtph2ps (x86-64-v3) or an exact integer conversion,
+ *     bfloat16 by a zero-extend and a 16-bit shift, int8 by a widen times
+ *     its group's scale (the chunk's scales are converted to float once per
+ *     chunk).  The loop nest is one always_inline body, instantiated per
+ *     dtype with the dtype a constant.
  *   - Rows are walked in chunks of FX_ATTN_CHUNK described by per-row
  *     pointers, so contiguous and paged caches share one path and a chunk
  *     may straddle blocks.  Query vectors sharing a kv head are processed
@@ -39,6 +55,11 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "_conv.h"
+#if defined(__GNUC__) && !defined(__clang__)
+/* vectors never cross a real call (see below); the F16C builtin returns one */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 #ifdef FX_ATTN_LIBM_EXP
 #include <math.h>
 #endif
@@ -67,19 +88,21 @@
 #endif
 
 /* ---- public types ----------------------------------------------------- */
-/* Where one sequence's K/V rows are. Row r (0 <= r < len):
+/* Where one sequence's K/V rows are, in bytes. Row r (0 <= r < len):
    contiguous (table == NULL): K row at k + r*k_row, V row at v + r*v_row
    paged: K row at k + (size_t)table[r / block_size] * k_block + (r % block_size) * k_row
           (V likewise with v_block, v_row)
-   A K row is n_kv_heads * head_dim floats (kv head g at offset g*head_dim);
-   a V row is n_kv_heads * v_head_dim floats.  */
+   A K row is n_kv_heads * head_dim values of dtype (kv head g at value
+   offset g*head_dim; FX_I8: then the float16 scales), fx_row_bytes(n_kv_heads,
+   head_dim, dtype) bytes; a V row likewise with v_head_dim.  */
 typedef struct {
-    const float *k, *v;
+    const void *k, *v;        /* first byte of the contiguous buffer / of the arena */
     const int32_t *table;     /* NULL: contiguous */
     ptrdiff_t block_size;     /* rows per block (paged only) */
-    size_t k_block, v_block;  /* floats per block (paged only) */
-    size_t k_row, v_row;      /* floats per row */
+    size_t k_block, v_block;  /* BYTES per block (paged only) */
+    size_t k_row, v_row;      /* BYTES per row */
     ptrdiff_t len;            /* rows stored */
+    int dtype;                /* FX_F32 ... FX_I8, the same for K and V */
 } fx_kv;
 
 typedef struct {
@@ -103,15 +126,7 @@ typedef struct {
 #define FX_UNUSED
 #endif
 
-/* target_clones needs ifunc (glibc) and gcc >= 11 for the arch=x86-64-vN names. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 \
-    && defined(__GLIBC__) && !defined(FX_ATTN_NO_CLONES)
-#define FX_ATTN_CLONES 1
-#define FX_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define FX_ATTN_CLONES 0
-#define FX_CLONES
-#endif
+/* FX_CLONES, FX_ATTN_CLONES: _conv.h. */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define FX_NEG_INF (-__builtin_inff())
@@ -198,8 +213,9 @@ FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
     const fxa_v4 s = fxa_fold(FX_HADD8(FX_HADD8(a[0], a[1]), FX_HADD8(a[2], a[3])));
     memcpy(out, &s, sizeof s);
 }
-/* 2^y for y <= 0 (relative error < 1e-7).  y < -125 (and -inf, NaN) gives
-   exactly 0, so no result is denormal (a NaN score thus drops its row).  y = n + f, n = round(y); 2^f =
+/* 2^y for y <= 0 (relative error < 1e-7).  y < -125 (and -inf) gives
+   exactly 0, so no result is denormal; NaN gives NaN (a NaN score makes its
+   query NaN, as in SDPA).  y = n + f, n = round(y); 2^f =
    e^(f ln2) by the Cephes expf polynomial on |f ln2| <= ln2/2; 2^n is built
    in the exponent field.  Same steps as the scalar fxa_exp2f below. */
 #define fxa_exp2(y) __extension__({                                                    \
@@ -214,7 +230,33 @@ FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
     p_ = p_ * g_ + 1.6666665459e-1f;                                                   \
     p_ = p_ * g_ + 5.0000001201e-1f;                                                   \
     p_ = (g_ * g_) * p_ + g_ + 1.0f;                                                   \
-    (fxa_v8)((fxa_v8i)(p_ * (fxa_v8)((n_ + 127) << 23)) & keep_); })
+    (fxa_v8)(((fxa_v8i)(p_ * (fxa_v8)((n_ + 127) << 23)) & keep_) | ((fxa_v8i)y_ & (y_ != y_))); })
+
+/* Row loads: 8 values of a stored row as float32 (unaligned). */
+#define fxa_load_f32(p) ((fxa_v8)fxa_load(p))
+typedef uint16_t fxa_v8h __attribute__((vector_size(16), aligned(1), may_alias));
+typedef int8_t fxa_v8b __attribute__((vector_size(8), aligned(1), may_alias));
+#define fxa_load_bf16(p) ((fxa_v8)(__builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i) << 16))
+#define fxa_load_i8(p, sc) (__builtin_convertvector(*(const fxa_v8b *)(const void *)(p), fxa_v8) * fxa_splat(sc))
+/* float16, exact, as fx_f16_to_f32 */
+#define fxa_load_f16(p) __extension__({                                                              \
+    const fxa_v8i x_ = __builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i);          \
+    const fxa_v8i em_ = x_ & 0x7fff, v_ = em_ << 13, small_ = em_ < 0x400, big_ = em_ >= 0x7c00;     \
+    const fxa_v8i sub_ = (fxa_v8i)(__builtin_convertvector(em_, fxa_v8) * 0x1p-24f);                 \
+    const fxa_v8i m_ = (sub_ & small_) | ((v_ | 0x7f800000) & big_) | ((v_ + 0x38000000) & ~(small_ | big_)); \
+    (fxa_v8)(m_ | ((x_ & 0x8000) << 16)); })
+#if defined(__x86_64__) && (FX_ATTN_CLONES || (defined(__F16C__) && defined(__AVX__)))
+/* F16C.  The builtin is checked at expansion, so it may sit in helpers the
+   baseline also inlines, as long as only code built for x86-64-v3 (the
+   FXA_F16C instantiation, see fx_attend) reaches it. */
+#include <immintrin.h>
+#define FXA_HAVE_F16C 1
+typedef short fxa_v8s __attribute__((vector_size(16), aligned(1), may_alias));
+#define fxa_load_f16c(p) ((fxa_v8)__builtin_ia32_vcvtph2ps256(*(const fxa_v8s *)(const void *)(p)))
+#else
+#define FXA_HAVE_F16C 0
+#define fxa_load_f16c(p) fxa_load_f16(p)
+#endif
 
 #else /* plain C fallback: same interface, element loops */
 typedef struct { float x[8]; } fxa_v8;
@@ -233,13 +275,41 @@ FX_INLINE void fxa_hsum8x8(const fxa_v8 *a, float *out) { int i; for (i = 0; i <
 FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out) { int i; for (i = 0; i < 4; i++) out[i] = fxa_hsum(a[i]); }
 static float fxa_exp2f(float y);
 FX_INLINE fxa_v8 fxa_exp2(fxa_v8 y) { int i; for (i = 0; i < 8; i++) y.x[i] = fxa_exp2f(y.x[i]); return y; }
+#define fxa_load_f32(p) fxa_load(p)
+FX_INLINE fxa_v8 fxa_load_bf16(const char *p) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = fx_bf16_to_f32(fx_ld16(p + 2 * i)); return v; }
+FX_INLINE fxa_v8 fxa_load_f16(const char *p) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = fx_f16_to_f32(fx_ld16(p + 2 * i)); return v; }
+FX_INLINE fxa_v8 fxa_load_i8(const char *p, float sc) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = (float)((const int8_t *)p)[i] * sc; return v; }
+#define FXA_HAVE_F16C 0
+#define fxa_load_f16c(p) fxa_load_f16(p)
 #endif
+
+/* The loads of the kernel: 8 values (FXA_LD) or one (fxa_ld1) at value
+   offset e of a row; sc: the int8 group's scale.  dt is a constant in every
+   instantiation, so each load compiles to its dtype's instructions alone.
+   FXA_F16C: float16 read by F16C (only in code built for x86-64-v3). */
+#define FXA_F16C 4
+#define FXA_LD(dt, row, e, sc)                                                                   \
+    ((dt) == FX_F32 ? fxa_load_f32((const float *)(const void *)(row) + (e))                         \
+     : (dt) == FX_BF16 ? fxa_load_bf16((row) + 2 * (size_t)(e))                                  \
+     : (dt) == FX_I8 ? fxa_load_i8((row) + (e), (sc))                                            \
+     : (dt) == FXA_F16C ? fxa_load_f16c((row) + 2 * (size_t)(e)) : fxa_load_f16((row) + 2 * (size_t)(e)))
+FX_INLINE float fxa_ld1(const int dt, const char *row, size_t e, float sc)
+{
+    float x;
+    switch (dt) {
+    case FX_F32: memcpy(&x, row + 4 * e, 4); return x;
+    case FX_BF16: return fx_bf16_to_f32(fx_ld16(row + 2 * e));
+    case FX_I8: return (float)((const int8_t *)row)[e] * sc;
+    default: return fx_f16_to_f32(fx_ld16(row + 2 * e));
+    }
+}
 
 /* Scalar 2^y, same method and range rules as fxa_exp2. */
 static inline FX_UNUSED float fxa_exp2f(float y)
 {
     float g, p, s;
     int32_t n, e;
+    if (y != y) return y;
     if (!(y >= -125.0f)) return 0.0f;
     n = (int32_t)(y - 0.5f);
     g = (y - (float)n) * 0.693147180559945f;
@@ -259,48 +329,79 @@ static inline FX_UNUSED float fxa_exp2f(float y)
 #define FX_CS (FX_C + 16) /* stride of a score row: a chunk plus the overhang of a last row group */
 #define FX_LOG2E 1.4426950408889634f
 
-/* Row pointers of one chunk; entries past the chunk's last row repeat it,
-   so whole groups of (up to 12) rows can be read without leaving the cache. */
+/* Row pointers of one chunk (first byte of each K and V row); entries past
+   the chunk's last row repeat it, so whole groups of (up to 12) rows can be
+   read without leaving the cache.  FX_I8: ks/vs point at each row's scales
+   converted to float (kv head g, group j at [g*groups + j]). */
 #define FX_CP (FX_C + 12)
 typedef struct {
-    const float *k[FX_CP], *v[FX_CP];
+    const char *k[FX_CP], *v[FX_CP];
+    const float *ks[FX_CP], *vs[FX_CP];
 } fxa_rows;
 
-FX_INLINE void fxa_chunk_rows(const fx_kv *kv, ptrdiff_t c0, int n, fxa_rows *c)
+/* Floats of the per-chunk scale buffer (FX_I8). */
+#define FXA_SCALE_FLOATS(a) \
+    ((size_t)FX_C * (size_t)(a)->n_kv_heads * (fx_i8_groups((a)->head_dim) + fx_i8_groups((a)->v_head_dim)))
+
+FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t c0, int n, fxa_rows *c,
+                              float *sbuf, const int dt)
 {
+    const char *kb = (const char *)kv->k, *vb = (const char *)kv->v;
     int i;
+    for (i = 0; i < n; i++) c->ks[i] = c->vs[i] = NULL;
     if (!kv->table) {
         for (i = 0; i < n; i++) {
-            c->k[i] = kv->k + (size_t)(c0 + i) * kv->k_row;
-            c->v[i] = kv->v + (size_t)(c0 + i) * kv->v_row;
+            c->k[i] = kb + (size_t)(c0 + i) * kv->k_row;
+            c->v[i] = vb + (size_t)(c0 + i) * kv->v_row;
         }
     } else {
         ptrdiff_t b = c0 / kv->block_size, o = c0 % kv->block_size;
         for (i = 0; i < n; i++) {
             const size_t blk = (size_t)kv->table[b];
-            c->k[i] = kv->k + blk * kv->k_block + (size_t)o * kv->k_row;
-            c->v[i] = kv->v + blk * kv->v_block + (size_t)o * kv->v_row;
+            c->k[i] = kb + blk * kv->k_block + (size_t)o * kv->k_row;
+            c->v[i] = vb + blk * kv->v_block + (size_t)o * kv->v_row;
             if (++o == kv->block_size) { o = 0; b++; }
+        }
+    }
+    if (dt == FX_I8) {
+        const size_t nk = (size_t)a->n_kv_heads * fx_i8_groups(a->head_dim);
+        const size_t nv = (size_t)a->n_kv_heads * fx_i8_groups(a->v_head_dim);
+        const size_t kvals = (size_t)a->n_kv_heads * (size_t)a->head_dim;
+        const size_t vvals = (size_t)a->n_kv_heads * (size_t)a->v_head_dim;
+        size_t j;
+        for (i = 0; i < n; i++) {
+            float *ks = sbuf + (size_t)i * (nk + nv), *vs = ks + nk;
+            for (j = 0; j < nk; j++) ks[j] = fx_f16_to_f32(fx_ld16(c->k[i] + kvals + 2 * j));
+            for (j = 0; j < nv; j++) vs[j] = fx_f16_to_f32(fx_ld16(c->v[i] + vvals + 2 * j));
+            c->ks[i] = ks;
+            c->vs[i] = vs;
         }
     }
     for (i = n; i < FX_CP; i++) {
         c->k[i] = c->k[n - 1];
         c->v[i] = c->v[n - 1];
+        c->ks[i] = c->ks[n - 1];
+        c->vs[i] = c->vs[n - 1];
     }
 }
 
+/* The int8 scale of row r's group holding dim d of the head whose scales
+   start at soff (0 for other dtypes). */
+#define FXA_SC(dt, s, r, soff, d) ((dt) == FX_I8 ? (s)[r][(soff) + ((size_t)(d) >> 5)] : 0.0f)
+
 /* s[t*FX_CS + r] = q_t . k_r for a T x R tile (T*R == 12); q_t = q + t*hd,
-   k_r = k[r] + koff.  12 independent accumulators (8 would leave the FMA
+   k_r = the head slice at value offset koff of row k[r] (int8 scales:
+   ks[r] + soff).  12 independent accumulators (8 would leave the FMA
    latency exposed); each K vector is loaded once for the T queries. */
-FX_INLINE void fxa_qk_tile(const int T, const int R, const float *q, int hd, const float *const *k, size_t koff,
-                          float *s)
+FX_INLINE void fxa_qk_tile(const int T, const int R, const float *q, int hd, const char *const *k,
+                          const float *const *ks, size_t koff, size_t soff, float *s, const int dt)
 {
     fxa_v8 acc[12], kr[12];
     float sum[12];
     int t, r, d = 0;
     for (t = 0; t < 12; t++) acc[t] = fxa_splat(0.0f);
     for (; d + 8 <= hd; d += 8) {
-        for (r = 0; r < R; r++) kr[r] = fxa_load(k[r] + koff + d);
+        for (r = 0; r < R; r++) kr[r] = FXA_LD(dt, k[r], koff + d, FXA_SC(dt, ks, r, soff, d));
         for (t = 0; t < T; t++) {
             const fxa_v8 qv = fxa_load(q + (size_t)t * hd + d);
             for (r = 0; r < R; r++) acc[t * R + r] = fxa_fma(qv, kr[r], acc[t * R + r]);
@@ -309,17 +410,21 @@ FX_INLINE void fxa_qk_tile(const int T, const int R, const float *q, int hd, con
     fxa_hsum8x8(acc, sum);
     fxa_hsum4x8(acc + 8, sum + 8);
     for (; d < hd; d++)
-        for (t = 0; t < T; t++)
-            for (r = 0; r < R; r++) sum[t * R + r] += q[(size_t)t * hd + d] * k[r][koff + d];
+        for (r = 0; r < R; r++) {
+            const float kx = fxa_ld1(dt, k[r], koff + (size_t)d, FXA_SC(dt, ks, r, soff, d));
+            for (t = 0; t < T; t++) sum[t * R + r] += q[(size_t)t * hd + d] * kx;
+        }
     for (t = 0; t < T; t++)
         for (r = 0; r < R; r++) s[t * FX_CS + r] = sum[t * R + r];
 }
 
 /* Columns d .. d+8S of o_t (o_t = o + t*dv):
    o_t = (rescale ? o_t * alpha_t : o_t) + sum_{r0 <= r < r1} p[t*FX_CS + r] * v_r,
-   v_r = v[r] + voff.  The T*S <= 12 accumulators stay in registers over the rows. */
+   v_r = the head slice at value offset voff of row v[r] (int8 scales: vs[r]
+   + soff).  The T*S <= 12 accumulators stay in registers over the rows. */
 FX_INLINE void fxa_pv_strip(const int T, const int S, float *o, int dv, const float *alpha, int rescale,
-                           const float *p, const float *const *v, size_t voff, int r0, int r1, int d)
+                           const float *p, const char *const *v, const float *const *vs, size_t voff, size_t soff,
+                           int r0, int r1, int d, const int dt)
 {
     fxa_v8 acc[12], vr[12];
     int t, s, r;
@@ -329,7 +434,7 @@ FX_INLINE void fxa_pv_strip(const int T, const int S, float *o, int dv, const fl
             if (rescale) acc[t * S + s] = fxa_mul(acc[t * S + s], fxa_splat(alpha[t]));
         }
     for (r = r0; r < r1; r++) {
-        for (s = 0; s < S; s++) vr[s] = fxa_load(v[r] + voff + d + 8 * s);
+        for (s = 0; s < S; s++) vr[s] = FXA_LD(dt, v[r], voff + d + 8 * s, FXA_SC(dt, vs, r, soff, d + 8 * s));
         for (t = 0; t < T; t++) {
             const fxa_v8 pt = fxa_splat(p[t * FX_CS + r]);
             for (s = 0; s < S; s++) acc[t * S + s] = fxa_fma(pt, vr[s], acc[t * S + s]);
@@ -340,30 +445,33 @@ FX_INLINE void fxa_pv_strip(const int T, const int S, float *o, int dv, const fl
 }
 
 FX_INLINE void fxa_pv_tile(const int T, float *o, int dv, const float *alpha, int rescale, const float *p,
-                          const float *const *v, size_t voff, int r0, int r1)
+                          const char *const *v, const float *const *vs, size_t voff, size_t soff, int r0, int r1,
+                          const int dt)
 {
     const int S = 12 / T; /* 12 accumulators per strip */
     int d = 0, t, r;
     /* strips of S vectors, but never leave a single vector (4 accumulators,
        latency-bound) behind a full strip: S + 1 left go as strips of 2 */
     for (; d + 8 * S <= dv && dv - d != 8 * (S + 1); d += 8 * S)
-        fxa_pv_strip(T, S, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
-    for (; d + 16 <= dv; d += 16) fxa_pv_strip(T, 2, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
-    for (; d + 8 <= dv; d += 8) fxa_pv_strip(T, 1, o, dv, alpha, rescale, p, v, voff, r0, r1, d);
+        fxa_pv_strip(T, S, o, dv, alpha, rescale, p, v, vs, voff, soff, r0, r1, d, dt);
+    for (; d + 16 <= dv; d += 16) fxa_pv_strip(T, 2, o, dv, alpha, rescale, p, v, vs, voff, soff, r0, r1, d, dt);
+    for (; d + 8 <= dv; d += 8) fxa_pv_strip(T, 1, o, dv, alpha, rescale, p, v, vs, voff, soff, r0, r1, d, dt);
     for (; d < dv; d++)
         for (t = 0; t < T; t++) {
             float x = o[(size_t)t * dv + d] * (rescale ? alpha[t] : 1.0f);
-            for (r = r0; r < r1; r++) x += p[t * FX_CS + r] * v[r][voff + d];
+            for (r = r0; r < r1; r++)
+                x += p[t * FX_CS + r] * fxa_ld1(dt, v[r], voff + (size_t)d, FXA_SC(dt, vs, r, soff, d));
             o[(size_t)t * dv + d] = x;
         }
 }
-
 /* Online-softmax step of one query vector over one chunk.  s: its scores
    (base 2) for the chunk's rows, of which only [a, b) are visible (and only
-   those need be valid).  Leaves p = 2^(s - m_new) on [a, b) and 0 elsewhere
-   on [0, n8), sets *alpha = 2^(m_old - m_new) (1 if the max did not grow or
-   nothing is visible, 0 on the first visible chunk) and updates m, l. */
-FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float *l, float *alpha)
+   those need be valid).  Leaves p = 2^((s - m_new) f) on [a, b) and 0
+   elsewhere on [0, n8), sets *alpha = 2^((m_old - m_new) f) (1 if the max
+   did not grow or nothing is visible, 0 on the first visible chunk) and
+   updates m, l.  The max ignores NaN; while it is -inf (every visible score
+   so far -inf or NaN) p is 2^(s f): 0 for -inf, NaN for NaN. */
+FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float *l, float *alpha, float f)
 {
     const int g0 = a & ~7, g1 = (b + 7) & ~7;
     fxa_v8 mx = fxa_splat(FX_NEG_INF), sum = fxa_splat(0.0f);
@@ -383,19 +491,19 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
     mc = fxa_hmax(mx);
     if (mc > *m) {
 #ifdef FX_ATTN_LIBM_EXP
-        *alpha = expf((*m - mc) * 0.693147180559945f);
+        *alpha = expf((*m - mc) * f * 0.693147180559945f);
 #else
-        *alpha = fxa_exp2f(*m - mc); /* m = -inf before the first visible row: 0 */
+        *alpha = fxa_exp2f((*m - mc) * f); /* m = -inf before the first visible row: 0 */
 #endif
         *m = mc;
     }
-    mc = *m;
+    mc = *m == FX_NEG_INF ? 0.0f : *m;
 #ifdef FX_ATTN_LIBM_EXP
-    for (r = g0; r < g1; r++) s[r] = expf((s[r] - mc) * 0.693147180559945f);
+    for (r = g0; r < g1; r++) s[r] = expf((s[r] - mc) * f * 0.693147180559945f);
     for (r = g0; r < g1; r += 8) sum = fxa_add(sum, fxa_load(s + r));
 #else
     for (r = g0; r < g1; r += 8) {
-        const fxa_v8 pr = fxa_exp2(fxa_sub(fxa_load(s + r), fxa_splat(mc)));
+        const fxa_v8 pr = fxa_exp2(fxa_mul(fxa_sub(fxa_load(s + r), fxa_splat(mc)), fxa_splat(f)));
         fxa_store(s + r, pr);
         sum = fxa_add(sum, pr);
     }
@@ -425,15 +533,17 @@ FX_INLINE void fxa_tile_rows(const float *fa, const float *fb, ptrdiff_t i0, int
 
 /* Phase A: scores of every tile of nh kv heads (nvg vectors each, the
    first one numbered i1) for rows [r, r1) of the chunk.  The slice of the
-   h-th of these heads is at c->k[row] + koff0 + h*head_dim. */
+   h-th of these heads is at value offset koff0 + h*head_dim of c->k[row]
+   (int8 scales at c->ks[row] + soff0 + h*groups). */
 FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t koff0,
-                               const fxa_rows *c, int r, int r1, const float *qs, float *sc, const float *fa,
-                               const float *fb)
+                               size_t soff0, const fxa_rows *c, int r, int r1, const float *qs, float *sc,
+                               const float *fa, const float *fb, const int dt)
 {
     const int hd = a->head_dim;
+    const size_t ng = fx_i8_groups(hd);
     int h;
     for (h = 0; h < nh; h++) {
-        const size_t koff = koff0 + (size_t)h * (size_t)hd;
+        const size_t koff = koff0 + (size_t)h * (size_t)hd, soff = soff0 + (size_t)h * ng;
         const ptrdiff_t iend = i1 + (h + 1) * nvg;
         ptrdiff_t i0;
         for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
@@ -445,9 +555,9 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
             ub = ub < r1 ? ub : r1;
             for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
                 float *s = sc + (size_t)i0 * FX_CS + rr;
-                if (T == 4) fxa_qk_tile(4, 3, q, hd, c->k + rr, koff, s);
-                else if (T == 2) fxa_qk_tile(2, 6, q, hd, c->k + rr, koff, s);
-                else fxa_qk_tile(1, 12, q, hd, c->k + rr, koff, s);
+                if (T == 4) fxa_qk_tile(4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else if (T == 2) fxa_qk_tile(2, 6, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else fxa_qk_tile(1, 12, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
             }
         }
     }
@@ -455,15 +565,17 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
 
 /* Phase C: acc += p.V for the same tiles and rows [r, r1), rescaling each
    tile's accumulators by alpha in the row group that holds its first
-   visible row.  V slices at c->v[row] + voff0 + h*v_head_dim. */
-FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t voff0,
+   visible row.  V slices at value offset voff0 + h*v_head_dim of c->v[row]
+   (int8 scales at c->vs[row] + soff0 + h*groups). */
+FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t voff0, size_t soff0,
                            const fxa_rows *c, int r, int r1, float *acc, const float *sc, const float *al,
-                           const float *fa, const float *fb)
+                           const float *fa, const float *fb, const int dt)
 {
     const int dv = a->v_head_dim;
+    const size_t ng = fx_i8_groups(dv);
     int h;
     for (h = 0; h < nh; h++) {
-        const size_t voff = voff0 + (size_t)h * (size_t)dv;
+        const size_t voff = voff0 + (size_t)h * (size_t)dv, soff = soff0 + (size_t)h * ng;
         const ptrdiff_t iend = i1 + (h + 1) * nvg;
         ptrdiff_t i0;
         for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
@@ -476,27 +588,43 @@ FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdif
             hi = ub < r1 ? ub : r1;
             if (lo >= hi) continue;
             first = ua >= r;
-            if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, voff, lo, hi);
-            else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, voff, lo, hi);
-            else fxa_pv_tile(1, o, dv, alp, first, p, c->v, voff, lo, hi);
+            if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+            else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+            else fxa_pv_tile(1, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
         }
     }
 }
 
-/* Copy kv head g's K and V slices of the chunk's n rows into contiguous
-   buffers and point pk at them (padding entries repeat the last row). */
-FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kbuf, float *vbuf, fxa_rows *pk)
+/* Copy kv head g's K and V slices of the chunk's n rows, as float32, into
+   contiguous buffers and point pk at them (padding entries repeat the last
+   row); the tiles then read pk as FX_F32. */
+FX_INLINE void fxa_unpack_slice(float *dst, const char *row, const float *scales, int g, int hd, const int dt)
+{
+    const size_t off = (size_t)g * (size_t)hd, soff = (size_t)g * fx_i8_groups(hd);
+    int d = 0;
+    if (dt == FX_F32) {
+        memcpy(dst, row + 4 * off, (size_t)hd * sizeof(float));
+        return;
+    }
+    for (; d + 8 <= hd; d += 8) fxa_store(dst + d, FXA_LD(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f));
+    for (; d < hd; d++) dst[d] = fxa_ld1(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f);
+}
+
+FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kbuf, float *vbuf, fxa_rows *pk,
+                             const int dt)
 {
     int r;
     for (r = 0; r < n; r++) {
-        memcpy(kbuf + (size_t)r * hd, c->k[r] + (size_t)g * hd, (size_t)hd * sizeof(float));
-        memcpy(vbuf + (size_t)r * dv, c->v[r] + (size_t)g * dv, (size_t)dv * sizeof(float));
-        pk->k[r] = kbuf + (size_t)r * hd;
-        pk->v[r] = vbuf + (size_t)r * dv;
+        fxa_unpack_slice(kbuf + (size_t)r * hd, c->k[r], c->ks[r], g, hd, dt);
+        fxa_unpack_slice(vbuf + (size_t)r * dv, c->v[r], c->vs[r], g, dv, dt);
+        pk->k[r] = (const char *)(kbuf + (size_t)r * hd);
+        pk->v[r] = (const char *)(vbuf + (size_t)r * dv);
+        pk->ks[r] = pk->vs[r] = NULL;
     }
     for (r = n; r < FX_CP; r++) {
         pk->k[r] = pk->k[n - 1];
         pk->v[r] = pk->v[n - 1];
+        pk->ks[r] = pk->vs[r] = NULL;
     }
 }
 
@@ -526,7 +654,7 @@ static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq
 /* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
    scaled queries, output accumulators, one chunk of scores, m, l, alpha and
    the visible row range of each vector; plus one chunk of one head's K and
-   V when they are packed. */
+   V when they are packed, and one chunk's int8 scales as float. */
 static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
 {
     ptrdiff_t nq;
@@ -536,13 +664,14 @@ static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
     nvg = (size_t)nq * (size_t)(a->n_heads / a->n_kv_heads);
     nv = nvg * (size_t)nh;
     return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5) +
-           (FX_PACKS(nvg) ? (size_t)FX_C * ((size_t)a->head_dim + (size_t)a->v_head_dim) : 0);
+           (FX_PACKS(nvg) ? (size_t)FX_C * ((size_t)a->head_dim + (size_t)a->v_head_dim) : 0) + FXA_SCALE_FLOATS(a);
 }
 
 /* q: (q_len, n_heads, head_dim); out: (q_len, n_heads, v_head_dim), both
    C-contiguous.  Query t sits at position p = len - q_len + t and sees rows
    max(start, window ? p-window+1 : 0) .. p; a query that sees no row gets
    zeros.  scratch: fx_attend_scratch_floats(a) floats, any contents.
+   kv->dtype selects the instantiation of the one loop nest below.
 
    Loop nest.  Passes over (block of query positions) x (block of kv heads),
    see fxa_pass_shape; the pass keeps its queries, accumulators, m and l in
@@ -559,13 +688,18 @@ static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
        for kv heads: pack the chunk's K and V slices contiguously, then
        A, B, C over the whole chunk for every tile of the head (the packed
        slices stay in L1 across the tiles that reuse them). */
-FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out,
-                                          float *scratch)
+FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch,
+                               const int dt)
 {
     const int H = a->n_heads, Hkv = a->n_kv_heads, G = a->n_heads / a->n_kv_heads;
     const int hd = a->head_dim, dv = a->v_head_dim;
+    const size_t ngk = fx_i8_groups(hd), ngv = fx_i8_groups(dv);
     const ptrdiff_t first = kv->len - a->q_len;
-    const float qscale = a->scale * FX_LOG2E;
+    const float c = a->scale * FX_LOG2E;
+    /* q is scaled by qscale, exponents by f (see the rules at the top) */
+    const int small = c <= 1.0f && c >= -1.0f, finite = c <= 3.4028234e38f && c >= -3.4028234e38f;
+    const float qscale = small ? c : (c > 0 ? 1.0f : -1.0f) * (finite ? 1.0f : 2.0f);
+    const float f = small ? 1.0f : finite ? (c > 0 ? c : -c) : (float)((a->scale > 0 ? (double)a->scale : -(double)a->scale) * 0.72134752044448170);
     fxa_rows rows, packed;
     ptrdiff_t qb, t0;
     int hb, g0;
@@ -580,6 +714,7 @@ FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a
             float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
             float *kbuf = fb + nv, *vbuf = kbuf + (size_t)FX_C * hd;
             const int pack = FX_PACKS(nvg);
+            float *sbuf = pack ? vbuf + (size_t)FX_C * dv : kbuf;
             ptrdiff_t lo, c0, i, pos;
             int h, jj, d;
 
@@ -601,7 +736,7 @@ FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a
             for (c0 = lo; c0 <= p_last; c0 += FX_C) {
                 const int n = (int)(p_last + 1 - c0 < FX_C ? p_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
                 int r;
-                fxa_chunk_rows(kv, c0, n, &rows);
+                fxa_chunk_rows(kv, a, c0, n, &rows, sbuf, dt);
                 /* rows [fa, fb) of this chunk each vector sees */
                 for (h = 0, i = 0; h < nh; h++)
                     for (pos = 0; pos < nq; pos++) {
@@ -617,34 +752,88 @@ FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a
                     }
                 if (!pack) {
                     for (r = 0; r < n; r += FX_ATTN_RGA)
-                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, &rows, r,
-                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb);
+                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
+                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb, dt);
                     for (i = 0; i < nv; i++)
-                        fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i);
+                        fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
                     for (r = 0; r < n; r += FX_ATTN_RGC)
-                        fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, &rows, r,
-                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb);
+                        fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, (size_t)g0 * ngv, &rows, r,
+                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt);
                 } else {
                     for (h = 0; h < nh; h++) {
-                        fxa_pack_head(&rows, n, g0 + h, hd, dv, kbuf, vbuf, &packed);
-                        fxa_phase_scores(a, nvg, 1, h * nvg, 0, &packed, 0, n, qs, sc, fa, fb);
+                        fxa_pack_head(&rows, n, g0 + h, hd, dv, kbuf, vbuf, &packed, dt);
+                        fxa_phase_scores(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, qs, sc, fa, fb, FX_F32);
                         for (i = h * nvg; i < (h + 1) * nvg; i++)
                             fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
-                                            al + i);
-                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, &packed, 0, n, acc, sc, al, fa, fb);
+                                            al + i, f);
+                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32);
                     }
                 }
             }
 
-            /* out = acc / l, back in (position, head) order; zeros where nothing was visible */
+            /* out = acc / l, back in (position, head) order; zeros where nothing
+               was visible; l = 0 with rows visible (all scores -inf) gives
+               0 * inf = NaN, l = NaN gives NaN */
             for (h = 0, i = 0; h < nh; h++)
-                for (pos = 0; pos < nq; pos++)
+                for (pos = 0; pos < nq; pos++) {
+                    const ptrdiff_t p = first + t0 + pos;
+                    ptrdiff_t vlo = a->start;
+                    if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
                     for (jj = 0; jj < G; jj++, i++) {
                         float *dst = out + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * dv;
-                        const float inv = ll[i] > 0.0f ? 1.0f / ll[i] : 0.0f;
+                        const float inv = vlo <= p ? 1.0f / ll[i] : 0.0f;
                         for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
                     }
+                }
         }
+}
+
+/* 1 when this CPU runs the x86-64-v3 clone (the test the ifunc resolver makes). */
+static inline FX_UNUSED int fxa_cpu_v3(void)
+{
+#if FX_ATTN_CLONES
+    static int v = -1;
+    int x = __atomic_load_n(&v, __ATOMIC_RELAXED);
+    if (x < 0) {
+        __builtin_cpu_init();
+        x = __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
+        __atomic_store_n(&v, x, __ATOMIC_RELAXED);
+    }
+    return x;
+#else
+    return 0;
+#endif
+}
+
+#if FX_ATTN_CLONES && FXA_HAVE_F16C
+/* float16 through F16C: the one instantiation built for x86-64-v3 outside
+   the clones (the baseline clone must not contain vcvtph2ps). */
+__attribute__((target("arch=x86-64-v3"))) static FX_UNUSED void fxa_attend_f16c(const fx_kv *kv, const fx_attn_args *a,
+                                                                                const float *q, float *out,
+                                                                                float *scratch)
+{
+    fxa_attend_body(kv, a, q, out, scratch, FXA_F16C);
+}
+#endif
+
+FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out,
+                                          float *scratch)
+{
+    switch (kv->dtype) {
+    case FX_F16:
+#if FX_ATTN_CLONES && FXA_HAVE_F16C
+        if (fxa_cpu_v3()) fxa_attend_f16c(kv, a, q, out, scratch);
+        else fxa_attend_body(kv, a, q, out, scratch, FX_F16);
+#elif FXA_HAVE_F16C
+        fxa_attend_body(kv, a, q, out, scratch, FXA_F16C);
+#else
+        fxa_attend_body(kv, a, q, out, scratch, FX_F16);
+#endif
+        break;
+    case FX_BF16: fxa_attend_body(kv, a, q, out, scratch, FX_BF16); break;
+    case FX_I8: fxa_attend_body(kv, a, q, out, scratch, FX_I8); break;
+    default: fxa_attend_body(kv, a, q, out, scratch, FX_F32); break;
+    }
 }
 
 /* Which code path fx_attend runs on this CPU.  With clones: the libgcc
@@ -674,6 +863,25 @@ static inline FX_UNUSED const char *fx_attend_simd_path(void)
 #else
     return "generic vectors";
 #endif
+}
+
+/* How fx_attend reads rows of dtype on this CPU (the vector code path
+   around it is fx_attend_simd_path()); NULL for an unknown dtype. */
+static inline FX_UNUSED const char *fx_attend_load_path(int dtype)
+{
+    switch (dtype) {
+    case FX_F32: return "float32: vector loads";
+    case FX_F16:
+#if FX_ATTN_CLONES && FXA_HAVE_F16C
+        if (fxa_cpu_v3()) return "float16: F16C vcvtph2ps";
+#elif FXA_HAVE_F16C
+        return "float16: F16C vcvtph2ps (compile-time)";
+#endif
+        return "float16: exact integer conversion";
+    case FX_BF16: return "bfloat16: zero-extend, shift 16";
+    case FX_I8: return "int8: widen x group scale";
+    default: return NULL;
+    }
 }
 
 #endif /* FX_ATTN_H */

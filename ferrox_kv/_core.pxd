@@ -28,23 +28,20 @@ cdef extern from "_fx.h" nogil:
     uint64_t fx_block_key(uint64_t parent, const int32_t* tokens, Py_ssize_t n,
                           uint64_t layers, uint64_t salt)
     float fx_read_rows(const float* p, Py_ssize_t n, Py_ssize_t width, Py_ssize_t stride)
-
-
-# Storage dtypes and the row conversions (the storage contract: README,
-# "Precision"). A K row holds n_kv_heads * head_dim values; FX_I8 rows are
-# the int8 values, then n_kv_heads * ceil(head_dim / 32) float16 scales.
-cdef extern from "_conv_tmp.h" nogil:
+    # storage dtypes and row conversions (_conv.h)
     enum:
         FX_F32
         FX_F16
         FX_BF16
         FX_I8
+    size_t fx_row_bytes(int n_heads, int head_dim, int dtype)
     void fx_rows_from_f32(void* dst, size_t dst_row, const float* src, size_t src_row_floats,
                           Py_ssize_t n_rows, int n_heads, int head_dim, int dtype)
     void fx_rows_to_f32(float* dst, size_t dst_row_floats, const void* src, size_t src_row,
                         Py_ssize_t n_rows, int n_heads, int head_dim, int dtype)
     void fx_rows_from_half(void* dst, size_t dst_row, const uint16_t* src, size_t src_row_elems,
                            Py_ssize_t n_rows, int n_heads, int head_dim, int src_dtype, int dtype)
+
 
 # A source of rows for cache_write besides FX_F32 / FX_F16 / FX_BF16 values:
 # rows already in the cache's own stored format (its row bytes apart).

@@ -263,16 +263,11 @@ cdef int _dtype_code(object dtype, str name) except -1:
                          "torch's float32 / float16 / bfloat16 / int8 alike)") from None
 
 
-cdef size_t _row_bytes(Py_ssize_t h, Py_ssize_t d, int dtype) noexcept nogil:
-    """Bytes of one stored row of h heads of d values (the storage contract:
-    int8 rows carry one float16 scale per 32 values of each head after the
-    values)."""
-    cdef size_t w = <size_t>h * <size_t>d
-    if dtype == FX_F32:
-        return 4 * w
-    if dtype == FX_I8:
-        return w + 2 * <size_t>h * <size_t>((d + 31) // 32)
-    return 2 * w
+cdef inline size_t _row_bytes(Py_ssize_t h, Py_ssize_t d, int dtype) noexcept nogil:
+    """Bytes of one stored row of h heads of d values (h, d < 2**31): the
+    storage contract's fx_row_bytes (int8 rows carry one float16 scale per
+    32 values of each head after the values)."""
+    return fx_row_bytes(<int>h, <int>d, dtype)
 
 
 cdef inline int _src_size(int src) noexcept:

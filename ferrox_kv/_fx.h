@@ -1,5 +1,6 @@
 /* Small C helpers of the ferrox_kv core: atomics, checked arithmetic, memory
- * advice and the prefix cache's hash. Declared for Cython in _core.pxd. */
+ * advice and the prefix cache's hash; the storage dtypes (FX_F32 ...) and
+ * the row conversions come from _conv.h. Declared for Cython in _core.pxd. */
 #ifndef FERROX_KV_FX_H
 #define FERROX_KV_FX_H
 
@@ -7,6 +8,8 @@
 #include <stdint.h>
 #include <pthread.h>
 #include <sys/mman.h>
+
+#include "_conv.h"
 
 /* How this extension was built (setup.py defines FERROX_KV_BUILD). */
 #ifndef FERROX_KV_BUILD
@@ -91,11 +94,7 @@ static inline uint64_t fx_block_key(uint64_t parent, const int32_t *tokens, ptrd
 /* The read floor of the benchmarks: every float of n rows of `width`
  * floats, `stride` floats apart, read once and summed (8 lanes, so that it
  * vectorises), compiled for the same SIMD levels as the attention kernel. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 \
-    && defined(__GLIBC__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-static float fx_read_rows(const float *p, ptrdiff_t n, ptrdiff_t width, ptrdiff_t stride) {
+FX_CLONES static float fx_read_rows(const float *p, ptrdiff_t n, ptrdiff_t width, ptrdiff_t stride) {
     float acc[32] = {0};              /* 4 independent 8-lane sums */
     float total = 0;
     ptrdiff_t r, i, j;

@@ -200,7 +200,6 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         fresh = key.shape[2] == kv_len == q_len           # update handed back the incoming K/V
         starts = _left_padding(attention_mask, kv_len)
         if (dropout == 0.0 and len(layer.seqs) == batch
-                and layer._owner.dtype == "float32"      # TEMPORARY: until the kernel reads every dtype
                 and (starts is not None or attention_mask is None)
                 and not (fresh and q_len >= SDPA_PREFILL_MIN)):
             q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()

@@ -87,7 +87,8 @@ def q8_round(x, head_dim):
             q[:, :, j * 32:(j + 1) * 32] = v
             scales[:, :, j] = s
             out[:, :, j * 32:(j + 1) * 32] = v.astype(np.float32) * sf
-    return out.reshape(x.shape), q.reshape(x.shape), scales.reshape(lead + (-1,))
+    return (out.reshape(x.shape), q.reshape(x.shape),
+            scales.reshape(lead + ((w // head_dim) * n_groups,)))
 
 
 def stored(x, dtype, head_dim):

@@ -1,4 +1,8 @@
-/* test_attn.c -- correctness tests for _attn.h against a float64 reference.
+/* test_attn.c -- correctness tests for _attn.h against a float64 reference,
+ * for every storage dtype (the reference reads the rows as stored, i.e.
+ * rounded or dequantised by fx_rows_to_f32), and the numeric rules of
+ * SDPA: NaN/inf in q, K or V, and scales up to FLT_MAX.  main() also runs
+ * the conversion tests of test_conv.c.
  *
  * Every buffer the kernel sees (q, out, scratch, K/V pools, block table) is
  * its own malloc of exactly the documented size; under -fsanitize=address
@@ -66,7 +70,14 @@ static int canary_ok(const float *p, size_t n, int pad)
     return 1;
 }
 
+enum { INJ_NONE, INJ_Q, INJ_K, INJ_V, INJ_K_HEAD }; /* what run_case poisons with tcase.inj_val */
+
 typedef struct {
+    int dt;           /* FX_F32 ... FX_I8 */
+    int inj;          /* INJ_*: q (last query, head 0, dim 0), one K / V row (kv head 0, dim 0), or dim 0 of every K row of kv head 0 */
+    float inj_val;
+    ptrdiff_t inj_row;
+    int exact;        /* K in {0, 0.5, 1}, q = 1: scores exact in float (for huge scales) */
     int H, Hkv, hd, dv;
     ptrdiff_t len, q_len, window, start;
     int bs;           /* 0: contiguous */
@@ -75,19 +86,25 @@ typedef struct {
     float scale;      /* 0: 1/sqrt(hd) */
 } tcase;
 
+static const char *dt_name[] = {"f32", "f16", "bf16", "i8"};
+
 static int n_fail, n_run;
 static double worst, worst_ratio, worst_large;
 
 static int run_case(const tcase *tc, const char *what)
 {
-    const int H = tc->H, Hkv = tc->Hkv, G = H / Hkv, hd = tc->hd, dv = tc->dv;
+    const int H = tc->H, Hkv = tc->Hkv, G = H / Hkv, hd = tc->hd, dv = tc->dv, dt = tc->dt;
     const ptrdiff_t len = tc->len, ql = tc->q_len;
+    const int esz = dt == FX_F32 ? 4 : dt == FX_I8 ? 1 : 2;
     fx_kv kv;
     fx_attn_args a;
-    size_t k_row = (size_t)Hkv * hd, v_row = (size_t)Hkv * dv, nk, nv, nsc, nout, i;
+    /* float rows (the reference's) and stored rows (the kernel's), same row order */
+    size_t k_row = (size_t)Hkv * hd, v_row = (size_t)Hkv * dv, kb_row = fx_row_bytes(Hkv, hd, dt),
+           vb_row = fx_row_bytes(Hkv, dv, dt), nrows, nk, nv, nsc, nout, i, kfb, vfb;
     int nblocks = 0, pool_blocks = 0, *perm = NULL;
     int32_t *table = NULL;
     float *k, *v, *q, *out, *sc;
+    char *ks, *vs;
     double maxerr = 0, maxratio = 0, tol;
     int ok = 1;
     ptrdiff_t t;
@@ -95,14 +112,15 @@ static int run_case(const tcase *tc, const char *what)
     if (tc->bs == 0) {
         k_row += (size_t)tc->row_pad;
         v_row += (size_t)tc->row_pad;
-        nk = (size_t)len * k_row;
-        nv = (size_t)len * v_row;
+        /* int8: an odd pad, so that rows (and their scales) are unaligned */
+        kb_row += (size_t)tc->row_pad * (size_t)esz + (dt == FX_I8 && tc->row_pad ? 1 : 0);
+        vb_row += (size_t)tc->row_pad * (size_t)esz + (dt == FX_I8 && tc->row_pad ? 1 : 0);
+        nrows = (size_t)len;
     } else {
         nblocks = (int)((len + tc->bs - 1) / tc->bs);
         if (nblocks < 1) { printf("bad case\n"); exit(2); }
         pool_blocks = nblocks + 3; /* table is a shuffled subset of a larger pool */
-        nk = (size_t)pool_blocks * tc->bs * k_row;
-        nv = (size_t)pool_blocks * tc->bs * v_row;
+        nrows = (size_t)pool_blocks * tc->bs;
         perm = malloc(sizeof(int) * (size_t)pool_blocks);
         for (i = 0; i < (size_t)pool_blocks; i++) perm[i] = (int)i;
         for (i = (size_t)pool_blocks - 1; i > 0; i--) {
@@ -112,18 +130,40 @@ static int run_case(const tcase *tc, const char *what)
         table = malloc(sizeof(int32_t) * (size_t)nblocks);
         for (i = 0; i < (size_t)nblocks; i++) table[i] = perm[i];
     }
+    kfb = (size_t)tc->bs * k_row;
+    vfb = (size_t)tc->bs * v_row;
+    nk = nrows * k_row;
+    nv = nrows * v_row;
     k = alloc_f(nk, 0);
     v = alloc_f(nv, 0);
-    for (i = 0; i < nk; i++) k[i] = rng_uni() * tc->kmag;
+    for (i = 0; i < nk; i++) k[i] = tc->exact ? (float)(rng_u64() % 3) * 0.5f : rng_uni() * tc->kmag;
     for (i = 0; i < nv; i++) v[i] = rng_uni();
     q = alloc_f((size_t)ql * H * hd, 0);
-    for (i = 0; i < (size_t)ql * H * hd; i++) q[i] = rng_uni() * tc->qmag;
+    for (i = 0; i < (size_t)ql * H * hd; i++) q[i] = tc->exact ? 1.0f : rng_uni() * tc->qmag;
+    if (tc->inj != INJ_NONE && tc->inj != INJ_Q) {
+        /* logical row inj_row (or every row) of the sequence, kv head 0, dim 0 */
+        ptrdiff_t r;
+        for (r = 0; r < len; r++) {
+            const size_t pr = table ? (size_t)table[r / tc->bs] * tc->bs + (size_t)(r % tc->bs) : (size_t)r;
+            if (tc->inj == INJ_K_HEAD || r == tc->inj_row) {
+                if (tc->inj == INJ_V) v[pr * v_row] = tc->inj_val;
+                else k[pr * k_row] = tc->inj_val;
+            }
+        }
+    }
+    if (tc->inj == INJ_Q) q[(size_t)(ql - 1) * H * hd] = tc->inj_val;
+    ks = malloc(nrows * kb_row);
+    vs = malloc(nrows * vb_row);
+    fx_rows_from_f32(ks, kb_row, k, k_row, (ptrdiff_t)nrows, Hkv, hd, dt);
+    fx_rows_from_f32(vs, vb_row, v, v_row, (ptrdiff_t)nrows, Hkv, dv, dt);
+    fx_rows_to_f32(k, k_row, ks, kb_row, (ptrdiff_t)nrows, Hkv, hd, dt);
+    fx_rows_to_f32(v, v_row, vs, vb_row, (ptrdiff_t)nrows, Hkv, dv, dt);
 
-    kv.k = k; kv.v = v; kv.table = table; kv.block_size = tc->bs;
-    kv.k_block = (size_t)tc->bs * k_row; kv.v_block = (size_t)tc->bs * v_row;
-    kv.k_row = k_row; kv.v_row = v_row; kv.len = len;
+    kv.k = ks; kv.v = vs; kv.table = table; kv.block_size = tc->bs;
+    kv.k_block = (size_t)tc->bs * kb_row; kv.v_block = (size_t)tc->bs * vb_row;
+    kv.k_row = kb_row; kv.v_row = vb_row; kv.len = len; kv.dtype = dt;
     a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = dv; a.n_heads = H;
-    a.q_len = ql; a.scale = tc->scale > 0 ? tc->scale : 1.0f / sqrtf((float)hd);
+    a.q_len = ql; a.scale = tc->scale != 0 ? tc->scale : 1.0f / sqrtf((float)hd);
     a.window = tc->window; a.start = tc->start;
 
     nout = (size_t)ql * H * dv;
@@ -157,8 +197,10 @@ static int run_case(const tcase *tc, const char *what)
                         if (o[d] != 0.0f) { ok = 0; printf("FAIL %s: t=%td j=%d expected zeros, got %g\n", what, t, j, o[d]); break; }
                     continue;
                 }
+                /* SDPA's rules fall out of float64: NaN scores are NaN, +inf
+                   gives inf - inf, all -inf gives -inf - -inf */
                 for (r = lo; r <= p; r++) {
-                    const float *kr = table ? k + (size_t)table[r / tc->bs] * kv.k_block + (size_t)(r % tc->bs) * k_row
+                    const float *kr = table ? k + (size_t)table[r / tc->bs] * kfb + (size_t)(r % tc->bs) * k_row
                                             : k + (size_t)r * k_row;
                     double acc = 0, aacc = 0;
                     for (d = 0; d < hd; d++) {
@@ -166,14 +208,14 @@ static int run_case(const tcase *tc, const char *what)
                         aacc += fabs((double)qq[d] * kr[g * hd + d]);
                     }
                     s[r] = acc * a.scale;
-                    if (aacc * a.scale > sabs) sabs = aacc * a.scale;
+                    if (isfinite(aacc * a.scale) && fabs(aacc * a.scale) > sabs) sabs = fabs(aacc * a.scale);
                     if (s[r] > m) m = s[r];
                 }
                 for (d = 0; d < dv; d++) ref[d] = 0;
                 {
                     double *absacc = calloc((size_t)dv, sizeof(double));
                     for (r = lo; r <= p; r++) {
-                        const float *vr = table ? v + (size_t)table[r / tc->bs] * kv.v_block + (size_t)(r % tc->bs) * v_row
+                        const float *vr = table ? v + (size_t)table[r / tc->bs] * vfb + (size_t)(r % tc->bs) * v_row
                                                 : v + (size_t)r * v_row;
                         const double w = exp(s[r] - m);
                         l += w;
@@ -185,11 +227,21 @@ static int run_case(const tcase *tc, const char *what)
                     for (d = 0; d < dv; d++) if (absacc[d] / l > A) A = absacc[d] / l;
                     free(absacc);
                 }
-                tol = RTOL + 2.0 * ldexp(1.0, -24) * sqrt((double)hd) * sabs;
+                /* the huge-scale cases have exact scores: the float32 rounding term does not apply */
+                tol = RTOL + (tc->exact ? 0.0 : 2.0 * ldexp(1.0, -24) * sqrt((double)hd) * sabs);
                 for (d = 0; d < dv; d++) {
-                    const double e = fabs(o[d] - ref[d] / l) / (A > 0 ? A : 1.0);
+                    const double want = ref[d] / l;
+                    const double e = fabs(o[d] - want) / (A > 0 ? A : 1.0);
+                    if (!isfinite(want) || !isfinite(o[d])) { /* NaN for NaN, the same inf for inf */
+                        if (isnan(want) != isnan(o[d]) || (!isnan(want) && want != o[d])) {
+                            printf("FAIL %s: t=%td j=%d d=%d got %.9g want %.9g (NaN rule)\n", what, t, j, d, o[d], want);
+                            ok = 0;
+                            break;
+                        }
+                        continue;
+                    }
                     if (!(e <= tol)) {
-                        printf("FAIL %s: t=%td j=%d d=%d got %.9g want %.9g (rel %.3g)\n", what, t, j, d, o[d], ref[d] / l, e);
+                        printf("FAIL %s: t=%td j=%d d=%d got %.9g want %.9g (rel %.3g)\n", what, t, j, d, o[d], want, e);
                         ok = 0;
                         break;
                     }
@@ -206,8 +258,43 @@ static int run_case(const tcase *tc, const char *what)
     if (maxratio > worst_ratio) worst_ratio = maxratio;
     n_run++;
     if (!ok) n_fail++;
-    free(k); free(v); free(q); free(out); free(sc); free(table); free(perm);
+    free(k); free(v); free(ks); free(vs); free(q); free(out); free(sc); free(table); free(perm);
     return ok;
+}
+
+/* the NaN/inf rules and huge scales, for one dtype and layout */
+static void special_cases(int dt, int bs)
+{
+    static const float vals[] = {NAN, INFINITY, -INFINITY};
+    char what[256];
+    tcase tc;
+    int vi, inj;
+    for (inj = INJ_Q; inj <= INJ_K_HEAD; inj++)
+        for (vi = 0; vi < 3; vi++) {
+            memset(&tc, 0, sizeof tc);
+            tc.dt = dt; tc.bs = bs; tc.H = 8; tc.Hkv = 2; tc.hd = 64; tc.dv = 64; tc.qmag = 1; tc.kmag = 1;
+            tc.len = 70; tc.q_len = 5; tc.inj = inj; tc.inj_val = vals[vi]; tc.inj_row = 66; /* seen by the last 4 queries */
+            snprintf(what, sizeof what, "%s %s=%g bs=%d", dt_name[dt],
+                     inj == INJ_Q ? "q" : inj == INJ_K ? "k row" : inj == INJ_V ? "v row" : "every k row", vals[vi], bs);
+            run_case(&tc, what);
+            tc.q_len = 40; tc.window = 30; tc.inj_row = 45; /* prefill, packed: some queries do not see it */
+            tc.H = 32; tc.Hkv = 1;
+            snprintf(what, sizeof what, "%s %s=%g bs=%d prefill", dt_name[dt],
+                     inj == INJ_Q ? "q" : inj == INJ_K ? "k row" : inj == INJ_V ? "v row" : "every k row", vals[vi], bs);
+            run_case(&tc, what);
+        }
+    {
+        static const float scales[] = {1e38f, -1e38f, 3.4e38f, -3.4e38f, 1e30f, 2.0f, 0.0f};
+        size_t si;
+        for (si = 0; si < sizeof scales / sizeof scales[0]; si++) {
+            memset(&tc, 0, sizeof tc);
+            tc.dt = dt; tc.bs = bs; tc.H = 8; tc.Hkv = 2; tc.hd = 16; tc.dv = 16; tc.qmag = 1; tc.kmag = 1;
+            tc.exact = 1; tc.len = 100; tc.q_len = 3; tc.scale = scales[si];
+            if (scales[si] == 0.0f) tc.scale = 1e-38f;
+            snprintf(what, sizeof what, "%s scale %g exact scores bs=%d", dt_name[dt], tc.scale, bs);
+            run_case(&tc, what);
+        }
+    }
 }
 
 static void exp_test(void)
@@ -227,10 +314,11 @@ static void exp_test(void)
     }
     {
         const float special[8] = {-125.5f, -126.0f, -1000.0f, -INFINITY, NAN, 0.0f, -0.0f, -1e30f};
-        const float want[8] = {0, 0, 0, 0, 0, 1, 1, 0};
+        const float want[8] = {0, 0, 0, 0, NAN, 1, 1, 0}; /* NaN stays NaN */
         fxa_store(rs, fxa_exp2(fxa_load(special)));
         for (l = 0; l < 8; l++)
-            if (rs[l] != want[l] || fxa_exp2f(special[l]) != want[l]) {
+            if (l == 4 ? !(isnan(rs[l]) && isnan(fxa_exp2f(special[l])))
+                       : rs[l] != want[l] || fxa_exp2f(special[l]) != want[l]) {
                 printf("FAIL exp2 special %g: vec %g scalar %g\n", special[l], rs[l], fxa_exp2f(special[l]));
                 n_fail++;
             }
@@ -238,6 +326,8 @@ static void exp_test(void)
     printf("exp2 on [-125, 0]: max rel err vector %.3g, scalar %.3g\n", max_rel_v, max_rel_s);
     if (max_rel_v > 3e-7 || max_rel_s > 3e-7) { printf("FAIL exp2 accuracy\n"); n_fail++; }
 }
+
+int conv_tests(void); /* test_conv.c */
 
 int main(void)
 {
@@ -248,21 +338,30 @@ int main(void)
     char what[256];
     size_t gi, di, bi, li;
     tcase tc;
+    int dt, sub;
 
-    printf("simd path: %s\n", fx_attend_simd_path());
+    printf("simd path: %s; %s, %s, %s, %s\n", fx_attend_simd_path(), fx_attend_load_path(FX_F32),
+           fx_attend_load_path(FX_F16), fx_attend_load_path(FX_BF16), fx_attend_load_path(FX_I8));
     exp_test();
+    n_fail += conv_tests();
+
+    for (dt = FX_F32; dt <= FX_I8; dt++) {
+    /* float32: every combination; the other dtypes: every third (each value of each axis still occurs) */
+    sub = dt == FX_F32 ? 1 : 3;
 
     /* decode sweep: GQA x dims x layouts x lengths */
     for (gi = 0; gi < sizeof gqa / sizeof gqa[0]; gi++)
         for (di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (bi = 0; bi < sizeof bss / sizeof bss[0]; bi++)
                 for (li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+                    if ((gi + di + bi + li) % (size_t)sub) continue;
                     memset(&tc, 0, sizeof tc);
+                    tc.dt = dt;
                     tc.H = gqa[gi][0]; tc.Hkv = gqa[gi][1]; tc.hd = dims[di][0]; tc.dv = dims[di][1];
                     tc.len = lens[li]; tc.q_len = 1; tc.bs = bss[bi]; tc.qmag = 1; tc.kmag = 1;
                     tc.row_pad = bi == 0 ? 8 : 0;
-                    snprintf(what, sizeof what, "decode H=%d Hkv=%d hd=%d dv=%d bs=%d len=%td", tc.H, tc.Hkv, tc.hd,
-                             tc.dv, tc.bs, tc.len);
+                    snprintf(what, sizeof what, "%s decode H=%d Hkv=%d hd=%d dv=%d bs=%d len=%td", dt_name[dt], tc.H,
+                             tc.Hkv, tc.hd, tc.dv, tc.bs, tc.len);
                     run_case(&tc, what);
                 }
 
@@ -277,21 +376,24 @@ int main(void)
                 for (si = 0; si < sizeof starts / sizeof starts[0]; si++)
                     for (gi = 0; gi < 6; gi += 2)
                         for (bi = 0; bi < 4; bi += 1) {
+                            if ((qi + wi + si + gi / 2 + bi) % (size_t)sub) continue;
                             memset(&tc, 0, sizeof tc);
+                            tc.dt = dt;
                             tc.H = gqa[gi][0]; tc.Hkv = gqa[gi][1];
                             tc.hd = qi % 2 ? 64 : 80; tc.dv = tc.hd;
                             tc.q_len = qls[qi]; tc.len = qls[qi] + (ptrdiff_t)(qi * 11 % 70);
                             tc.window = wins[wi]; tc.start = starts[si];
                             if (tc.start >= tc.len) tc.start = tc.len - 1;
                             tc.bs = bss[bi]; tc.qmag = 1; tc.kmag = 1; tc.scale = 0.5f;
-                            snprintf(what, sizeof what, "prefill H=%d Hkv=%d hd=%d q_len=%td len=%td win=%td start=%td bs=%d",
-                                     tc.H, tc.Hkv, tc.hd, tc.q_len, tc.len, tc.window, tc.start, tc.bs);
+                            snprintf(what, sizeof what, "%s prefill H=%d Hkv=%d hd=%d q_len=%td len=%td win=%td start=%td bs=%d",
+                                     dt_name[dt], tc.H, tc.Hkv, tc.hd, tc.q_len, tc.len, tc.window, tc.start, tc.bs);
                             run_case(&tc, what);
                         }
     }
 
     /* explicit edge cases */
     memset(&tc, 0, sizeof tc);
+    tc.dt = dt;
     tc.H = 8; tc.Hkv = 2; tc.hd = 64; tc.dv = 64; tc.qmag = 1; tc.kmag = 1; tc.bs = 7;
     tc.len = 40; tc.q_len = 20; tc.start = 30; /* queries at p < 30 see nothing */
     run_case(&tc, "left padding: first 10 queries see nothing");
@@ -300,27 +402,37 @@ int main(void)
     tc.len = 300; tc.q_len = 1; tc.window = 0; tc.start = 299;
     run_case(&tc, "start = last row");
     tc.q_len = 4; tc.start = 305; /* nothing visible at all */
+    tc.inj = INJ_Q; tc.inj_val = NAN; /* a NaN query that sees nothing still gets zeros */
     run_case(&tc, "start past the end: all zeros");
 
     /* large-magnitude scores: |q.k| ~ 1e4 (and 1e6 with scale 1) */
     for (bi = 0; bi < sizeof bss / sizeof bss[0]; bi++) {
         memset(&tc, 0, sizeof tc);
+        tc.dt = dt;
         tc.H = 32; tc.Hkv = 8; tc.hd = 128; tc.dv = 128; tc.bs = bss[bi];
         tc.len = 333; tc.q_len = 3; tc.qmag = 30; tc.kmag = 30; tc.scale = 1.0f; /* q.k ~ 1e4 */
-        snprintf(what, sizeof what, "large scores 1e4 bs=%d", tc.bs);
+        snprintf(what, sizeof what, "%s large scores 1e4 bs=%d", dt_name[dt], tc.bs);
         run_case(&tc, what);
         tc.qmag = 300; tc.kmag = 300; tc.q_len = 17; tc.window = 100; /* ~1e6 */
-        snprintf(what, sizeof what, "large scores 1e6 bs=%d", tc.bs);
+        snprintf(what, sizeof what, "%s large scores 1e6 bs=%d", dt_name[dt], tc.bs);
         run_case(&tc, what);
     }
 
     /* a longer context with chunks spanning many blocks */
     memset(&tc, 0, sizeof tc);
+    tc.dt = dt;
     tc.H = 32; tc.Hkv = 8; tc.hd = 128; tc.dv = 128; tc.bs = 16; tc.len = 3001; tc.q_len = 1;
     tc.qmag = 1; tc.kmag = 1;
-    run_case(&tc, "decode len 3001 bs 16");
+    snprintf(what, sizeof what, "%s decode len 3001 bs 16", dt_name[dt]);
+    run_case(&tc, what);
     tc.q_len = 70; tc.window = 500;
-    run_case(&tc, "prefill 70 over 3001 window 500");
+    snprintf(what, sizeof what, "%s prefill 70 over 3001 window 500", dt_name[dt]);
+    run_case(&tc, what);
+
+    /* SDPA's numeric rules */
+    special_cases(dt, 0);
+    special_cases(dt, 16);
+    }
 
     printf("large-magnitude cases: worst err/A %.3g\n", worst_large);
     printf("%d cases, %d failed; ordinary cases: worst err/A %.3g (rtol %.0e); all cases: worst err/tol %.3g\n",
