@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 import ferrox_kv.hf as fhf
-from ferrox_kv import KvBlockPool, _bench_hf
+from ferrox_kv import KvBlockPool
+from ferrox_kv.bench import llama
 from ferrox_kv.hf import ATTENTION, FerroxCache
 
 
@@ -27,13 +28,13 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     ctx = args.context
-    cfg, model = _bench_hf.make_model(ctx + args.steps + 8)
+    cfg, model = llama.make_model(ctx + args.steps + 8)
     model.set_attn_implementation(ATTENTION)
     layers, h, d = 2, 8, 128
     kv = [(torch.randn(1, h, ctx, d), torch.randn(1, h, ctx, d)) for _ in range(layers)]
     pool = KvBlockPool(16, layers * (-(-(ctx + args.steps + 8) // 16)), h, d)
     cache = FerroxCache(cfg, pool=pool, max_seq_len=ctx + args.steps + 8)
-    _bench_hf._prefill(cache, kv)
+    llama.prefill(cache, kv)
 
     real, spent = fhf.attend_many, []
 

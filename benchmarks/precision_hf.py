@@ -1,4 +1,4 @@
-"""Accuracy of reduced storage on the hf bench model (ferrox_kv/_bench_hf.py:
+"""Accuracy of reduced storage on the hf bench model (ferrox_kv/bench/llama.py:
 a 2-layer Llama with Llama-3-8B's attention geometry), float32 weights
 scaled by --weight-scale so that greedy output is not a repeated pair of
 tokens. A float32 FerroxCache generates --tokens greedy tokens (the
@@ -16,7 +16,7 @@ import sys
 import torch
 
 import ferrox_kv.hf  # noqa: F401  (registers "ferrox")
-from ferrox_kv._bench_hf import make_model
+from ferrox_kv.bench.llama import make_model
 from ferrox_kv.hf import FerroxCache
 
 

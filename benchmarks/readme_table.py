@@ -11,6 +11,8 @@ from ferrox_kv.bench import fmt_quantity
 
 def main(path):
     doc = json.load(open(path))
+    if doc.get("verdict"):          # schema 2 on
+        print(doc["verdict"] + "\n")
     print("| target (this run) | measured | goal | |")
     print("| --- | --- | --- | --- |")
     for t in doc["targets"]:

@@ -109,10 +109,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     cdef double sc = 0.0
     cdef bint has_scale = scale is not None
     if has_scale:
-        try:
-            sc = float(scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"scale must be a number, got {type(scale).__name__}") from None
+        sc = _real(scale, "scale")
         if not (sc == sc) or abs(sc) > 3.4028234663852886e38:
             raise ValueError(f"scale must be a finite float32, got {sc}")
     if window is not None:
@@ -142,7 +139,9 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     cdef float* op
     cdef size_t q_stride, o_stride, ctx_bytes = 0
     cdef Py_ssize_t* st = NULL
-    cdef bint aliased
+    cdef float* tmp_out = NULL
+    cdef size_t o_bytes
+    cdef bint aliased, out_reads = False
     try:
         # 2. validate against the claimed caches
         _check_same_geometry(cl, "caches")
@@ -200,18 +199,28 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         scratch = <float*>malloc(fx_attend_scratch_floats(&a) * sizeof(float) + 64)
         q_stride = <size_t>(a.q_len * nh * hd)
         o_stride = <size_t>(a.q_len * nh * c0.v_head_dim)
+        o_bytes = <size_t>cnp.PyArray_NBYTES(oa)
         aliased = fx_overlap(cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa),
-                             cnp.PyArray_DATA(oa), <size_t>cnp.PyArray_NBYTES(oa))
+                             cnp.PyArray_DATA(oa), o_bytes)
         if aliased:                    # out overlaps q: the kernel reads a copy of q
             tmp = <float*>malloc(<size_t>cnp.PyArray_NBYTES(qa) + 4)
-        if kvs == NULL or scratch == NULL or (aliased and tmp == NULL):
+        # out overlaps storage the kernel reads (a cache's buffer or its pool's
+        # arenas, as _aliases decides for writes): the kernel writes a
+        # temporary, copied to out after the last pass
+        for i in range(n):
+            if _aliases(cs[i], cnp.PyArray_DATA(oa), o_bytes):
+                out_reads = True
+        if out_reads:
+            tmp_out = <float*>malloc(o_bytes + 4)
+        if (kvs == NULL or scratch == NULL or (aliased and tmp == NULL)
+                or (out_reads and tmp_out == NULL)):
             raise MemoryError()
         if aliased:
             memcpy(tmp, cnp.PyArray_DATA(qa), <size_t>cnp.PyArray_NBYTES(qa))
         for i in range(n):
             _kv_of(cs[i], &kvs[i])
         qp = tmp if tmp != NULL else <float*>cnp.PyArray_DATA(qa)
-        op = <float*>cnp.PyArray_DATA(oa)
+        op = tmp_out if tmp_out != NULL else <float*>cnp.PyArray_DATA(oa)
         if starts is not None:
             st = <Py_ssize_t*>malloc(<size_t>n * sizeof(Py_ssize_t))
             if st == NULL:
@@ -223,10 +232,13 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                 _attend_each(kvs, &a, st, n, qp, q_stride, op, o_stride, scratch)
         else:
             _attend_each(kvs, &a, st, n, qp, q_stride, op, o_stride, scratch)
+        if tmp_out != NULL:
+            memcpy(cnp.PyArray_DATA(oa), tmp_out, o_bytes)
     finally:
         free(kvs)
         free(scratch)
         free(tmp)
+        free(tmp_out)
         free(st)
         _release_all(cs, n)
     return oa
@@ -238,6 +250,7 @@ def attend_many(caches, q, *, scale=None, window=None, out=None, start=None):
     length; returns ``(B, q_len, n_heads, v_head_dim)`` float32. Sequence b's
     queries are its cache's last q_len positions, as in ``KvCache.attend``.
     ``start`` (B integers) is each sequence's first visible position, for
-    left-padded batches: positions before it are never attended. One call,
-    one GIL release: the decode step of a batch."""
+    left-padded batches: positions before it are never attended. ``scale``
+    and ``out`` as in ``KvCache.attend``. One call, one GIL release: the
+    decode step of a batch."""
     return _attend_call(tuple(caches), q, scale, window, out, start, True)

@@ -39,12 +39,17 @@
  *   - SIMD through 8-lane vector helpers (GCC/clang vector extensions:
  *     SSE2 on the x86-64 baseline, AVX2+FMA in the x86-64-v3 clone, NEON on
  *     aarch64; a plain C fallback for other compilers).  On x86-64 glibc
- *     with gcc >= 11, fx_attend() alone carries
+ *     with gcc >= 11, fx_attend() carries
  *     target_clones("arch=x86-64-v3", "default"); every helper is
  *     always_inline, so each clone gets its own copy of the whole loop nest.
- *     Never put target attributes on the helpers (that stops them
- *     inlining), and never pass a vector to a function that is not inlined
- *     (the ABI differs between the clones).
+ *     The one other outer function is fxa_attend_f16c
+ *     (target("arch=x86-64-v3")): the float16 instantiation with F16C, which
+ *     fx_attend calls when the CPU runs the v3 clone (gcc 12 neither
+ *     vectorises _Float16 conversions nor lets an F16C intrinsic inline
+ *     into a clone that also builds for the baseline).  Never put target
+ *     attributes on the helpers (that stops them inlining), and never pass
+ *     a vector to a function that is not inlined (the ABI differs between
+ *     the clones).
  *   - The speed depends on floating-point contraction: GNU C's default
  *     -ffp-contract=fast turns a*b+c into FMA in the v3 clone (ISO modes,
  *     -std=c99/c11, turn it off).  Do not build with -ffast-math.
@@ -582,15 +587,44 @@ FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdif
             const int T = FX_TILE_T(iend - i0);
             float *o = acc + (size_t)i0 * dv;
             const float *p = sc + (size_t)i0 * FX_CS, *alp = al + i0;
-            int ua, ub, lo, hi, first;
+            int ua, ub, lo, hi, first, ca, cb, t;
             fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
             lo = ua > r ? ua : r;
             hi = ub < r1 ? ub : r1;
             if (lo >= hi) continue;
             first = ua >= r;
-            if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
-            else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
-            else fxa_pv_tile(1, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+            /* rows every vector of the tile sees: the tile reads them once for all */
+            ca = lo;
+            cb = hi;
+            for (t = 0; t < T; t++) {
+                ca = (int)fa[i0 + t] > ca ? (int)fa[i0 + t] : ca;
+                cb = (int)fb[i0 + t] < cb ? (int)fb[i0 + t] : cb;
+            }
+            if (ca == lo && cb == hi) {
+                if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                else fxa_pv_tile(1, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                continue;
+            }
+            /* vectors of different positions see different rows (causal
+               edge, window, start): each reads only its own rows (p = 0 on a
+               row it does not see would still turn a NaN in V into NaN) */
+            if (ca < cb) {
+                if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
+                else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
+            }
+            for (t = 0; t < T; t++) {
+                float *ot = o + (size_t)t * dv;
+                const float *pt = p + (size_t)t * FX_CS;
+                const int a0 = (int)fa[i0 + t] > lo ? (int)fa[i0 + t] : lo;
+                const int b0 = (int)fb[i0 + t] < hi ? (int)fb[i0 + t] : hi;
+                if (ca < cb) {
+                    if (a0 < ca) fxa_pv_tile(1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, a0, ca, dt);
+                    if (cb < b0) fxa_pv_tile(1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, cb, b0, dt);
+                } else {
+                    fxa_pv_tile(1, ot, dv, alp + t, first, pt, c->v, c->vs, voff, soff, a0, b0 > a0 ? b0 : a0, dt);
+                }
+            }
         }
     }
 }

@@ -258,11 +258,18 @@ K and V rows of one sequence in one layer.
     operation but ``close()`` raises ``ValueError("KvCache is closed")``.
     """
 
-    def __cinit__(self):
+    def __cinit__(self, *args, **kwargs):
         memset(&self.c, 0, sizeof(Cache))
         self.c.plan = -1
         self.c.state = STATE_NEW
         self.rows = None
+        if len(args) > 2 and type(self).__init__ is KvCache.__init__:
+            raise TypeError(
+                f"KvCache() takes 2 positional arguments (n_kv_heads, head_dim) but "
+                f"{len(args)} were given: a capacity is not a constructor argument, "
+                "max_seq_len belongs to KvCache.with_capacity(n_kv_heads, head_dim, "
+                "max_seq_len=...) (rows pre-allocated) or KvCache.with_pool; "
+                "v_head_dim is keyword-only (v_head_dim=...)")
 
     def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None,
                  dtype="float32"):
@@ -619,8 +626,11 @@ K and V rows of one sequence in one layer.
         (transformers' sliding window), and never a position before
         ``start`` (left padding). Grouped-query heads: ``n_heads`` is a
         multiple of ``n_kv_heads`` and query head j reads KV head
-        ``j // (n_heads // n_kv_heads)``. ``scale`` defaults to
-        ``1/sqrt(head_dim)``; ``out`` takes a preallocated float32 array.
+        ``j // (n_heads // n_kv_heads)``. ``scale``, a real number (a str or
+        a complex is a ``TypeError``), defaults to ``1/sqrt(head_dim)``;
+        ``out`` takes a preallocated float32 array, which may overlap ``q``
+        or the storage the call reads (the result is then computed into a
+        temporary and copied to ``out``).
 
         The kernel reads the contiguous buffer, or the pool's blocks through
         the block table, in one pass with an online softmax: no gather,
@@ -764,6 +774,13 @@ K and V rows of one sequence in one layer.
     def __copy__(self):
         return self.copy()
 
+    def __reduce__(self):
+        raise TypeError(
+            "KvCache objects cannot be pickled: their rows are this process's memory "
+            "(a private buffer or blocks of a KvBlockPool). Copy a cache with "
+            "cache.copy() (or copy.deepcopy); to save or send its rows, pickle the "
+            "arrays cache.k and cache.v and extend a new cache with them")
+
     def __deepcopy__(self, memo):
         return self.copy()
 
@@ -837,6 +854,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     cdef BlockReq r
     cdef int rc
     cdef cnp.ndarray toks = None
+    cdef bint lookup = tokens is not None   # a hit or a miss, even of 0 whole blocks
     if tokens is not None:
         if p.prefix == NULL:
             raise ValueError("tokens= needs a pool with a prefix cache: "
@@ -870,7 +888,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         with nogil:
             if m_max:
                 prefix_keys(tp, m_max, bs, <int32_t>count, salt_id, keys)
-            rc = pool_reserve(p, keys if m_max else NULL, tp, m_max, <int32_t>count, salt_id,
+            rc = pool_reserve(p, keys if lookup else NULL, tp, m_max, <int32_t>count, salt_id,
                               per, ids, nb, scratch, &m, &r)
         if rc == FX_EXHAUSTED:
             raise KvPoolExhausted(r.needed, r.free_seen)

@@ -47,6 +47,7 @@ from libc.string cimport memcmp, memcpy, memset
 cimport numpy as cnp
 import numpy as np
 from numpy.lib.array_utils import byte_bounds as _byte_bounds
+from numbers import Complex as _Complex, Real as _Real
 from operator import index as _operator_index
 
 cnp.import_array()
@@ -138,6 +139,24 @@ cdef object _index(object value, str name):
     except TypeError:
         raise TypeError(
             f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+cdef double _real(object value, str name) except? -1.0:
+    """``value`` as a C double when it is a real number: its type defines
+    ``__float__`` or ``__index__`` and it is not complex. A str, bytes or
+    complex is a TypeError naming the argument (as in numpy's arithmetic:
+    ``np.multiply(x, "0.5")`` is one); an int beyond the double range is a
+    ValueError."""
+    t = type(value)
+    if (not (hasattr(t, "__float__") or hasattr(t, "__index__"))
+            or (isinstance(value, _Complex) and not isinstance(value, _Real))):
+        raise TypeError(f"{name} must be a real number, got {t.__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is beyond the range of a float") from None
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be a real number, got {t.__name__} ({e})") from None
 
 
 cdef Py_ssize_t _count(object value, str name, Py_ssize_t minimum) except -1:

@@ -586,6 +586,13 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
                  dtype="float32"):
         pass    # all done in __cinit__; here so that the signature is introspectable
 
+    def __reduce__(self):
+        raise TypeError(
+            "KvBlockPool objects cannot be pickled: its blocks are this process's "
+            "memory, held by its caches. Make a pool where it is needed with the same "
+            "arguments (KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, "
+            "...)); a child made by os.fork() inherits the pool")
+
     def __dealloc__(self):
         pool_decref(self.p)
         self.p = NULL
@@ -643,8 +650,10 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         came into use and went out of use), ``refused`` (requests refused for
         lack of blocks), ``block_size``, ``block_bytes``, and for the prefix
         cache ``prefix_hits`` and ``prefix_misses`` (lookups that reused at
-        least one block, or none), ``hit_tokens`` (positions reused) and
-        ``evictions`` (cached blocks given to other requests).
+        least one block, or none: every reservation with ``tokens=`` is one
+        lookup, one of the two; tokens shorter than a block are a miss),
+        ``hit_tokens`` (positions reused) and ``evictions`` (cached blocks
+        given to other requests).
         """
         cdef Pool* p = self.p
         cdef Py_ssize_t used, high, cached = 0

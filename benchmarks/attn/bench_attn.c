@@ -11,6 +11,8 @@
  * Each figure: best over ROUNDS rounds of (mean of REPS calls).
  * Usage: bench_attn [rounds] [paged|contig] [ctx:q_len[:H:Hkv:head_dim] ...]
  *        bench_attn exp      (exp approximation vs libm expf)
+ *        bench_attn dtypes [rounds] [ctx ...]   (every storage dtype, decode:
+ *                             attend vs its read floor and vs float32)
  *   default: 30 paged 512:1 2048:1 8192:1 2048:256
  */
 #define _POSIX_C_SOURCE 199309L
@@ -28,7 +30,9 @@
     const char *K##_path(void);                                                                           \
     size_t K##_scratch(const fx_attn_args *a);                                                            \
     void K##_exp2v(const float *x, float *y, size_t n);                                                   \
-    void K##_expf(const float *x, float *y, size_t n);
+    void K##_expf(const float *x, float *y, size_t n);                                                    \
+    const char *K##_load_path(int dtype);                                                                 \
+    void K##_from_f32(void *dst, size_t dst_row, const float *src, size_t src_row, ptrdiff_t n, int h, int d, int dt);
 #ifdef AB /* A/B build: two kernel builds (headers/flags) in the base and v3 slots */
 DECL(clones)
 DECL(A)
@@ -93,7 +97,8 @@ static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, i
         rnd();
     }
     kv.k = k; kv.v = v; kv.table = contig ? NULL : table; kv.block_size = bs;
-    kv.k_block = kv.v_block = (size_t)bs * row; kv.k_row = kv.v_row = row; kv.len = ctx;
+    kv.k_block = kv.v_block = (size_t)bs * row * 4; kv.k_row = kv.v_row = row * 4; kv.len = ctx;
+    kv.dtype = FX_F32;
     a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = q_len;
     a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
     {
@@ -172,8 +177,90 @@ static void exp_bench(void)
            best1 * 1e9, best2 * 1e9, best2 / best1, maxrel);
 }
 
+/* Every dtype at one context, paged (bs 16, shuffled), decode: per dtype a
+   read floor over its stored bytes and fx_attend (clones), all 8 variants
+   interleaved in every round.  Reports attend/floor per dtype and each
+   dtype's attend against float32's. */
+static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
+{
+    static const char *dn[4] = {"float32", "float16", "bfloat16", "int8"};
+    const int bs = 16, nblocks = (int)(ctx / bs);
+    const size_t row = (size_t)Hkv * hd;
+    float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
+    float *q = malloc(sizeof(float) * (size_t)H * hd), *out = malloc(sizeof(float) * (size_t)H * hd), *sc;
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
+    char *ks[4], *vs[4];
+    fx_kv kv[4];
+    fx_attn_args a;
+    double best[8];
+    size_t i;
+    int r, w, reps, dt;
+    for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
+    for (i = 0; i < (size_t)H * hd; i++) q[i] = rnd();
+    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
+    for (i = (size_t)nblocks - 1; i > 0; i--) {
+        size_t j = (size_t)(rs % (i + 1));
+        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
+        rnd();
+    }
+    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = 1;
+    a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
+    for (dt = 0; dt < 4; dt++) {
+        const size_t rb = fx_row_bytes(Hkv, hd, dt);
+        ks[dt] = malloc(rb * (size_t)ctx);
+        vs[dt] = malloc(rb * (size_t)ctx);
+        clones_from_f32(ks[dt], rb, k, row, ctx, Hkv, hd, dt);
+        clones_from_f32(vs[dt], rb, v, row, ctx, Hkv, hd, dt);
+        kv[dt].k = ks[dt]; kv[dt].v = vs[dt]; kv[dt].table = table; kv[dt].block_size = bs;
+        kv[dt].k_block = kv[dt].v_block = (size_t)bs * rb; kv[dt].k_row = kv[dt].v_row = rb;
+        kv[dt].len = ctx; kv[dt].dtype = dt;
+    }
+    sc = malloc(sizeof(float) * clones_scratch(&a));
+    for (w = 0; w < 8; w++) best[w] = 1e30;
+    {
+        double t0 = now();
+        clones_attend(&kv[0], &a, q, out, sc);
+        reps = (int)(2e-3 / (now() - t0 + 1e-9));
+        if (reps < 1) reps = 1;
+        if (reps > 2000) reps = 2000;
+    }
+    for (r = 0; r < rounds; r++)
+        for (int wi = 0; wi < 8; wi++) {
+            const int w2 = (wi + r) % 8, d2 = w2 / 2; /* even: floor, odd: attend */
+            double t0 = now(), dtm;
+            int j;
+            for (j = 0; j < reps; j++) {
+                if (w2 % 2 == 0) sink += clones_floor(&kv[d2], nblocks);
+                else clones_attend(&kv[d2], &a, q, out, sc);
+            }
+            dtm = (now() - t0) / reps;
+            if (dtm < best[w2]) best[w2] = dtm;
+        }
+    printf("dtypes: paged decode ctx %td H %d Hkv %d hd %d bs 16 shuffled, best of %d rounds\n", ctx, H, Hkv, hd, rounds);
+    for (dt = 0; dt < 4; dt++) {
+        const double mb = 2.0 * (double)fx_row_bytes(Hkv, hd, dt) * (double)ctx / 1048576.0;
+        printf("   %-8s %6.2f MiB  floor %8.1f us  attend %8.1f us  attend/floor %5.2f  attend vs float32 %5.2f  (%s)\n",
+               dn[dt], mb, best[2 * dt] * 1e6, best[2 * dt + 1] * 1e6, best[2 * dt + 1] / best[2 * dt],
+               best[2 * dt + 1] / best[1], clones_load_path(dt));
+    }
+    fflush(stdout);
+    for (dt = 0; dt < 4; dt++) { free(ks[dt]); free(vs[dt]); }
+    free(k); free(v); free(q); free(out); free(table); free(sc);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "dtypes")) {
+        const int rounds = argc > 2 ? atoi(argv[2]) : 20;
+        int i;
+        printf("clones path: %s\n", clones_path());
+        if (argc <= 3) {
+            run_dtypes(2048, rounds, 32, 8, 128);
+            run_dtypes(8192, rounds, 32, 8, 128);
+        }
+        for (i = 3; i < argc; i++) run_dtypes(atol(argv[i]), rounds, 32, 8, 128);
+        return 0;
+    }
     const int rounds = argc > 1 ? atoi(argv[1]) : 30;
     if (argc > 1 && !strcmp(argv[1], "exp")) {
         exp_bench();

@@ -26,10 +26,18 @@ void CAT(KNAME, attend)(const fx_kv *kv, const fx_attn_args *a, const float *q, 
 }
 
 const char *CAT(KNAME, path)(void) { return fx_attend_simd_path(); }
+const char *CAT(KNAME, load_path)(int dtype);
+const char *CAT(KNAME, load_path)(int dtype) { return fx_attend_load_path(dtype); }
+void CAT(KNAME, from_f32)(void *dst, size_t dst_row, const float *src, size_t src_row, ptrdiff_t n, int h, int d, int dt);
+void CAT(KNAME, from_f32)(void *dst, size_t dst_row, const float *src, size_t src_row, ptrdiff_t n, int h, int d, int dt)
+{
+    fx_rows_from_f32(dst, dst_row, src, src_row, n, h, d, dt);
+}
 
-/* Read floor: every K and V float of the context read once, block by block
-   in table order (contiguous: one block), summed with 4 vector accumulators.
-   Same clone dispatch as fx_attend. */
+/* Read floor: every stored K and V byte of the context read once (as
+   floats: 4 bytes at a time, whatever the dtype), block by block in table
+   order (contiguous: one block), summed with 4 vector accumulators.  Same
+   clone dispatch as fx_attend. */
 FX_CLONES static float floor_sum(const fx_kv *kv, int nblocks)
 {
     fxa_v8 s0 = fxa_splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
@@ -38,10 +46,10 @@ FX_CLONES static float floor_sum(const fx_kv *kv, int nblocks)
         const float *src[2];
         size_t n[2], i;
         int w;
-        src[0] = kv->table ? kv->k + (size_t)kv->table[b] * kv->k_block : kv->k;
-        src[1] = kv->table ? kv->v + (size_t)kv->table[b] * kv->v_block : kv->v;
-        n[0] = kv->table ? kv->k_block : (size_t)kv->len * kv->k_row;
-        n[1] = kv->table ? kv->v_block : (size_t)kv->len * kv->v_row;
+        src[0] = (const float *)(const void *)((const char *)kv->k + (kv->table ? (size_t)kv->table[b] * kv->k_block : 0));
+        src[1] = (const float *)(const void *)((const char *)kv->v + (kv->table ? (size_t)kv->table[b] * kv->v_block : 0));
+        n[0] = (kv->table ? kv->k_block : (size_t)kv->len * kv->k_row) / 4;
+        n[1] = (kv->table ? kv->v_block : (size_t)kv->len * kv->v_row) / 4;
         for (w = 0; w < 2; w++)
             for (i = 0; i + 32 <= n[w]; i += 32) {
                 s0 = fxa_add(s0, fxa_load(src[w] + i));

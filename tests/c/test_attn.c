@@ -277,6 +277,10 @@ static void special_cases(int dt, int bs)
             snprintf(what, sizeof what, "%s %s=%g bs=%d", dt_name[dt],
                      inj == INJ_Q ? "q" : inj == INJ_K ? "k row" : inj == INJ_V ? "v row" : "every k row", vals[vi], bs);
             run_case(&tc, what);
+            tc.H = 4; /* 2 query heads per kv head: a tile holds 2 positions, one of which does not see the row */
+            snprintf(what, sizeof what, "%s %s=%g bs=%d G=2", dt_name[dt],
+                     inj == INJ_Q ? "q" : inj == INJ_K ? "k row" : inj == INJ_V ? "v row" : "every k row", vals[vi], bs);
+            run_case(&tc, what);
             tc.q_len = 40; tc.window = 30; tc.inj_row = 45; /* prefill, packed: some queries do not see it */
             tc.H = 32; tc.Hkv = 1;
             snprintf(what, sizeof what, "%s %s=%g bs=%d prefill", dt_name[dt],

@@ -1,0 +1,119 @@
+"""What every group shares and nothing else: the geometries, the block size,
+the legend, the log line, the optional dependencies, and the two records a
+group is made of (``Group``) and run with (``Run``). Imports no other module
+of the bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+# name: (n_kv_heads, head_dim, layers)
+GEOMETRIES = {
+    "llama8b": (8, 128, 32),     # Llama-3-8B: 8 KV heads x 128, 32 layers
+    "small": (2, 64, 32),
+    "wide": (32, 128, 32),
+}
+BLOCK_SIZE = 16
+HF_INSTALL = "pip install 'ferrox_kv[hf]'"
+PLOT_INSTALL = "pip install 'ferrox_kv[plot]'"
+
+# the attention group: Llama-3-8B's attention (32 query heads over 8 KV heads x 128)
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM = 32, 8, 128
+
+LEGEND = """\
+How to read this: every ratio is taken within this one run (variants timed
+several times, interleaved, best kept, after one untimed warm-up pass); "of"
+names the denominator and "better" says which way is good for that row.
+  geometries   KV heads x head_dim x layers: llama8b 8x128x32 (Llama-3-8B),
+               small 2x64x32, wide 32x128x32. attention and hf: 32 query heads
+               over 8 KV heads x 128.
+  [cached]     thread runs whose working set stays in the CPU caches: what
+               limits them is ferrox's own overhead (GIL, locks).
+  [stream]     thread runs that stream MiBs through DRAM: memory bandwidth
+               limits them.
+  floor        a C loop doing the same memory traffic with no Python per row
+               (memcpy into fresh memory for copies; one read pass over K and V
+               for attention): the hardware limit."""
+
+
+def log(msg):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Optional dependencies
+# ---------------------------------------------------------------------------
+
+def try_import(name):
+    try:
+        return __import__(name)
+    except Exception:   # ImportError, or a broken install: either way, not usable
+        return None
+
+
+def have_torch():
+    return try_import("torch") is not None
+
+
+def have_hf():
+    if not have_torch() or try_import("transformers") is None:
+        return False
+    try:
+        from transformers import DynamicCache  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def have_matplotlib():
+    return try_import("matplotlib") is not None
+
+
+class Torch1:
+    """torch on one thread for the block (the attention and hf groups compare
+    one thread of ferrox with one thread of torch); restored after."""
+
+    def __init__(self):
+        self.torch = try_import("torch")
+
+    def __enter__(self):
+        if self.torch is not None:
+            self.old = self.torch.get_num_threads()
+            self.torch.set_num_threads(1)
+        return self.torch
+
+    def __exit__(self, *exc):
+        if self.torch is not None:
+            self.torch.set_num_threads(self.old)
+
+
+# ---------------------------------------------------------------------------
+# A group, and what its runner gets
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What a group's runner gets."""
+    res: object          # harness.Results
+    args: argparse.Namespace
+    geos: list
+    quick: bool
+    reps: int
+    torch_ok: bool       # torch importable
+    hf_ok: bool          # torch and transformers importable
+    contexts: list | None
+
+
+@dataclass
+class Group:
+    """One group of the bench: its module defines ``GROUP = Group(...)``."""
+    slug: str
+    title: str
+    run: Callable[[Run], None]
+    targets: Callable = lambda res: []   # (Results) -> [targets.Target] this run has rows for
+    needs_hf: bool = False     # the whole group needs torch and transformers
+    torch_rows: str = ""       # rows skipped without torch (said in the skipped line)
+    hf_rows: str = ""          # rows skipped without transformers

@@ -1,0 +1,104 @@
+"""Group hf: per-token decode time of a real (small) transformers model with
+``FerroxCache`` (pooled, read in place by the "ferrox" attention) against
+``DynamicCache`` and ``StaticCache`` with SDPA (transformers' default
+attention), one torch thread. Needs torch and transformers (the model:
+``llama.py``)."""
+from ferrox_kv.bench.common import Group, Torch1, log
+from ferrox_kv.bench.targets import Figure, Target
+
+
+def bench_hf(res, contexts, quick=False, log=print):
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
+    from ferrox_kv import KvBlockPool
+    from ferrox_kv.bench.llama import decode, make_model, prefill
+    from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
+
+    tokens = 8 if quick else 16
+    reps = 3 if quick else 5
+    cfg, model = make_model(max(contexts) + tokens + 2)
+    layers, h, d = kv_geometry(cfg)
+    g = "hf"
+    geo = f"llama-{layers}L"
+    first = torch.tensor([[7]])
+    # a decode step reads every weight once (matrix-vector products) except
+    # the embedding table, of which it reads one row
+    weights_mb = sum(p.numel() for n, p in model.named_parameters()
+                     if "embed_tokens" not in n) * 4 / 1e6
+    for ctx in contexts:
+        max_len = ctx + tokens + 2
+        gen = torch.Generator().manual_seed(ctx)
+        kv = [(torch.randn(1, h, ctx, d, generator=gen), torch.randn(1, h, ctx, d, generator=gen))
+              for _ in range(layers)]
+        pool = KvBlockPool(16, layers * (-(-max_len // 16)), h, d)
+        # slug: (attention implementation, make the cache)
+        variants = {
+            "dynamic": ("sdpa", lambda: DynamicCache(config=cfg)),
+            "static": ("sdpa", lambda: StaticCache(config=cfg, max_cache_len=max_len)),
+            "ferrox": (ATTENTION, lambda: FerroxCache(cfg, pool=pool, max_seq_len=max_len)),
+        }
+        best = {k: float("inf") for k in variants}
+        logits = {}
+        for _ in range(reps):
+            for slug, (impl, make) in variants.items():
+                model.set_attn_implementation(impl)
+                cache = make()
+                prefill(cache, kv)
+                sec, lg = decode(model, cache, tokens, first)
+                best[slug] = min(best[slug], sec)
+                logits.setdefault(slug, lg)
+                if hasattr(cache, "close"):
+                    cache.close()
+                del cache
+        model.set_attn_implementation("sdpa")
+        # the same weights and K/V: the first step's logits agree across caches
+        diff = {k: float((v - logits["dynamic"]).abs().max()) for k, v in logits.items()}
+        log(f"hf decode @ {ctx}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
+            + f" (first-step logits, max |ferrox - DynamicCache| {diff['ferrox']:.6f})")
+        ms = {k: v * 1e3 for k, v in best.items()}
+        extra = dict(context=ctx, tokens=tokens, weights_read_mb=weights_mb)
+        res.add(g, geo, "hf.dynamic", f"DynamicCache + SDPA @ {ctx}", ms["dynamic"],
+                "ms/token", **extra)
+        res.add(g, geo, "hf.ferrox.vs_dynamic", f"FerroxCache pooled + ferrox attn @ {ctx}",
+                ms["ferrox"], "ms/token", ms["ferrox"] / ms["dynamic"], "DynamicCache",
+                logits_max_diff=diff["ferrox"], **extra)
+        res.add(g, geo, "hf.ferrox.vs_static", f"FerroxCache pooled + ferrox attn @ {ctx}",
+                ms["ferrox"], "ms/token", ms["ferrox"] / ms["static"], "StaticCache", **extra)
+        res.add(g, geo, "hf.static.vs_dynamic", f"StaticCache + SDPA @ {ctx}", ms["static"],
+                "ms/token", ms["static"] / ms["dynamic"], "DynamicCache",
+                logits_max_diff=diff["static"], **extra)
+        assert pool.free_blocks == pool.total_blocks
+
+
+def run(r):
+    contexts = r.contexts or ([128, 512] if r.quick else [128, 2048, 8192])
+    log(f"hf: a 2-layer Llama (32 heads, 8 KV heads x 128) per-token decode, "
+        f"contexts {contexts}")
+    with Torch1():
+        bench_hf(r.res, contexts, quick=r.quick, log=log)
+
+
+GOALS = {128: 1.0, 2048: 0.6, 8192: 0.45}    # context: FerroxCache / DynamicCache per token
+
+
+def targets(res):
+    out = []
+    for r in res.rows:
+        if r["slug"] == "hf.ferrox.vs_dynamic":
+            T = r["context"]
+            goal = GOALS.get(T)
+            out.append(Target(f"FerroxCache / DynamicCache per token @ {T}", r["slug"],
+                              "<=" if goal else "info", goal, {"context": T},
+                              related=[Figure("attention alone vs SDPA",
+                                              "attention.attend.vs_sdpa", {"context": T},
+                                              unit="x")]))
+        elif r["slug"] == "hf.static.vs_dynamic":
+            out.append(Target(f"  StaticCache / DynamicCache per token @ {r['context']}",
+                              r["slug"], "info", None, {"context": r["context"]}))
+    return out
+
+
+GROUP = Group("hf", "decode step of a 2-layer Llama, FerroxCache vs DynamicCache, 1 torch thread",
+              run, targets=targets, needs_hf=True)

@@ -1,0 +1,62 @@
+"""The small transformers model the ``hf`` group and the sharing group's
+chat-turn row time, and the two steps they share (a prefill of random K/V, a
+timed decode). Needs torch and transformers; imported only by those groups.
+
+The model: a 2-layer Llama with Llama-3-8B's attention geometry (32 query
+heads over 8 KV heads x 128, hidden 1024), random weights, float32, one torch
+thread. The prompt is not run through the model: each cache is prefilled with
+the same random K/V (``cache.update`` per layer, the way the model's own
+layers store a prompt), then real decode steps of the model are timed. One
+model serves every variant (its attention implementation is switched between
+them), so the weights are the same."""
+import gc
+import time
+
+LLAMA = dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+
+
+def available():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def make_model(max_positions):
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**LLAMA, max_position_embeddings=max(2048, max_positions))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return cfg, model
+
+
+def prefill(cache, kv):
+    """Every layer takes the same random (1, 8, T, 128) K/V a prompt would
+    have left there. ``kwargs={}`` is the dict a model layer passes: with the
+    "ferrox" attention, FerroxCache then hands back the new rows without
+    gathering (the other caches ignore it)."""
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k, v, layer, kwargs={})
+
+
+def decode(model, cache, tokens, first):
+    """One untimed step, then ``tokens`` timed steps; seconds per token and
+    the first step's logits."""
+    import torch
+    nxt = first
+    with torch.no_grad():
+        out = model(input_ids=nxt, cache=cache, use_cache=True)
+        logits = out.logits[0, -1].clone()
+        nxt = out.logits[:, -1:].argmax(-1)
+        gc.disable()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            out = model(input_ids=nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+        dt = time.perf_counter() - t0
+        gc.enable()
+    return dt / tokens, logits

@@ -1,0 +1,169 @@
+"""``ferrox-kv serve``: arguments, loading a local checkpoint, uvicorn, and
+graceful shutdown.
+
+SIGTERM (or Ctrl-C) stops admitting: new and queued requests get 503 with
+Retry-After while the running ones finish, up to ``--shutdown-timeout``
+seconds; then the server exits, cancelling what is left, and checks the
+pool (``pool.check()``; every block must be back). A second signal exits at
+once. The process never forks: uvicorn runs in it with one worker.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("model_dir", metavar="MODEL_DIR",
+                    help="a local transformers checkpoint with its tokenizer (a path; never "
+                         "downloaded)")
+    kv = ap.add_mutually_exclusive_group()
+    kv.add_argument("--kv-gib", type=float, default=None,
+                    help="the pool's size in GiB (default 0.5)")
+    kv.add_argument("--kv-blocks", type=int, default=None, help="the pool's size in blocks")
+    ap.add_argument("--block-size", type=int, default=16, help="positions per block (16)")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="the model's weights (the KV is stored as float32)")
+    ap.add_argument("--mode", choices=("batch", "threads"), default="batch",
+                    help="batch: continuous batching, one forward per step over every running "
+                         "sequence; threads: one thread per request, batch 1 (the baseline)")
+    ap.add_argument("--max-batch", type=int, default=16,
+                    help="most sequences running at once (16)")
+    ap.add_argument("--max-queue", type=int, default=64,
+                    help="most requests waiting for blocks; beyond it 503 (64)")
+    ap.add_argument("--queue-timeout", type=float, default=30.0,
+                    help="seconds a request may wait for blocks before a 503 (30)")
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="prompt positions prefilled per step and request (256)")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="turn the pool's prefix cache off")
+    ap.add_argument("--default-max-tokens", type=int, default=256,
+                    help="chat completions' max_tokens when a request sets none (256)")
+    ap.add_argument("--max-body", type=int, default=1 << 20,
+                    help="largest request body in bytes; beyond it 413 (1 MiB)")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds running requests get to finish after SIGTERM (30)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--make-tiny", action="store_true",
+                    help="first write a tiny random Llama and tokenizer at MODEL_DIR if it does "
+                         "not exist (ferrox_kv.serve.tiny), to try the server offline")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--log-level", default="warning",
+                    choices=("critical", "error", "warning", "info", "debug"))
+
+
+def load(args):
+    """(model, tokenizer, pool) from the arguments; nothing is downloaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
+    from ferrox_kv import KvBlockPool
+    from ferrox_kv.hf import ATTENTION, kv_geometry
+
+    if args.make_tiny and not os.path.exists(args.model_dir):
+        from ferrox_kv.serve.tiny import make_model_dir
+        make_model_dir(args.model_dir)
+    if not os.path.isdir(args.model_dir):
+        raise SystemExit(f"ferrox-kv serve: {args.model_dir!r} is not a directory; pass the path "
+                         "of a checkpoint saved with save_pretrained (model and tokenizer)")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, attn_implementation=ATTENTION, dtype=getattr(torch, args.dtype),
+        local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    n_layers, n_kv, head_dim = kv_geometry(model.config)
+    if args.block_size < 1:
+        raise SystemExit("ferrox-kv serve: --block-size must be >= 1")
+    block_bytes = args.block_size * n_kv * head_dim * 2 * 4
+    blocks = args.kv_blocks
+    if blocks is None:
+        blocks = int((args.kv_gib if args.kv_gib is not None else 0.5) * (1 << 30) // block_bytes)
+    if blocks < n_layers:
+        raise SystemExit(f"ferrox-kv serve: a pool of {blocks} blocks cannot hold one position "
+                         f"of {n_layers} layers; raise --kv-blocks or --kv-gib")
+    pool = KvBlockPool(args.block_size, blocks, n_kv, head_dim,
+                       prefix_cache=not args.no_prefix_cache)
+    return model, tokenizer, pool
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from ferrox_kv.serve.app import make_app
+        from ferrox_kv.serve.engine import Engine
+        from ferrox_kv.serve.metrics import Metrics
+    except ImportError as e:
+        print(f"ferrox-kv serve needs FastAPI, uvicorn and prometheus_client: "
+              f"pip install 'ferrox_kv[serve]' ({e})", file=sys.stderr)
+        return 2
+    for name in ("max_batch", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            print(f"ferrox-kv serve: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    model, tokenizer, pool = load(args)
+    metrics = Metrics(pool)
+    engine = Engine(model, tokenizer, pool, mode=args.mode, max_batch=args.max_batch,
+                    max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+                    prefill_chunk=args.prefill_chunk, metrics=metrics)
+    metrics.engine = engine
+    name = os.path.basename(os.path.normpath(args.model_dir))
+    asgi, _ = make_app(engine, metrics, model_name=name,
+                       default_max_tokens=args.default_max_tokens, max_body=args.max_body)
+
+    class Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if self.draining:                   # a second signal: now
+                return super().handle_exit(sig, frame)
+            self.draining = True
+
+            def drain():
+                engine.drain(args.shutdown_timeout)
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="ferrox-serve-drain", daemon=True).start()
+
+    config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level in ("info", "debug"), workers=1,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = Server(config)
+    engine.start()
+    print(f"ferrox-kv serve: {name} on http://{args.host}:{args.port} ({args.mode} mode, "
+          f"{pool.total_blocks} blocks of {pool.block_size} positions, prefix cache "
+          f"{'on' if pool.prefix_cache else 'off'})", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    stats = pool.stats()
+    try:
+        pool.check()
+    except Exception as e:
+        print(f"ferrox-kv serve: pool.check() failed at exit: {e}", file=sys.stderr, flush=True)
+        return 1
+    if stats["used_blocks"]:
+        print(f"ferrox-kv serve: {stats['used_blocks']} blocks still in use at exit",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"ferrox-kv serve: stopped; pool.check() passed, used_blocks=0, "
+          f"cached_blocks={stats['cached_blocks']}", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv=None, prog="ferrox-kv serve") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))

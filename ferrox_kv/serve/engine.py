@@ -1,0 +1,622 @@
+"""The engine: one scheduler thread owns the model, the pool and the step loop.
+
+Admission is the pool. A request reserves ``prompt + max_tokens`` positions of
+every layer at once (``KvCache.with_pool_many``, all or nothing) when it
+leaves the FIFO queue; a reserved request can never fail mid-decode, so there
+is no preemption. A request that does not fit waits at the head of the queue
+(no one overtakes it) until blocks come back; past ``max_queue`` waiting
+requests, or ``queue_timeout`` seconds of waiting, it is refused with
+``Overloaded`` (HTTP 503 + Retry-After). A request that could never fit (its
+reservation beyond the whole pool or the model's context) is refused at once
+with ``NeverFits`` (HTTP 400).
+
+Continuous batching (``mode="batch"``). Each step of the loop:
+
+1. admits from the head of the queue while the pool can reserve and fewer than
+   ``max_batch`` sequences run;
+2. prefills admitted requests, in chunks of at most ``prefill_chunk``
+   positions (a long prompt takes several steps, so running sequences keep
+   decoding between its chunks); a request starts from the longest prefix of
+   its prompt published under its tenant's salt;
+3. decodes every running sequence in one model forward: input ids ``(B, 1)``,
+   position ids per sequence, each sequence's own caches at their own lengths
+   (``attend_many`` through the "ferrox" attention);
+4. samples, streams each new token to its request, and retires the finished
+   and the cancelled, whose blocks go back (after publishing what a finished
+   request computed, for the next request with the same prefix and tenant).
+
+``mode="threads"`` is the fallback and the baseline: the same admission, but
+each admitted request runs its own prefill and decode (batch 1) in a thread of
+its own.
+
+The server never calls ``fork()``: one process, these threads, uvicorn's event
+loop.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+from ferrox_kv._core import _extend_each
+from ferrox_kv.hf import ATTENTION, kv_geometry
+
+__all__ = ["Engine", "NeverFits", "Overloaded", "Request", "Sampling"]
+
+
+class Overloaded(Exception):
+    """No room now (queue full, queue timeout, shutting down): HTTP 503 with
+    ``Retry-After: retry_after`` seconds."""
+
+    def __init__(self, message, retry_after, reason):
+        super().__init__(message)
+        self.retry_after = int(retry_after)
+        self.reason = reason
+
+
+class NeverFits(ValueError):
+    """The request can never be served by this pool or model: HTTP 400."""
+
+    def __init__(self, message, param):
+        super().__init__(message)
+        self.param = param
+
+
+class Sampling:
+    """How the next token is chosen: greedy at ``temperature == 0``, else
+    softmax at ``temperature`` restricted to the ``top_p`` nucleus, from a
+    generator seeded with ``seed`` (reproducible) or at random."""
+
+    def __init__(self, temperature=1.0, top_p=1.0, seed=None):
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.generator = None
+        if self.temperature > 0:
+            self.generator = torch.Generator()
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(int(seed))
+
+    def pick(self, logits):
+        """The next token id from a (vocab,) float tensor."""
+        if self.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class Request:
+    """One generation: what it asks for, and what the engine reports back
+    through ``emit(kind, payload)`` (called from the engine's threads;
+    ``"token"`` with the new text, then ``"done"`` with the finish reason, or
+    ``"error"`` with an exception)."""
+
+    def __init__(self, prompt_ids, max_tokens, sampling, stop=(), tenant=None, emit=None):
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.max_tokens = int(max_tokens)
+        self.sampling = sampling
+        self.stop = tuple(s for s in stop if s)
+        self.tenant = tenant
+        self.emit = emit or (lambda kind, payload: None)
+        self.cancelled = False
+        self.caches: list[KvCache] | None = None
+        self.cached_tokens = 0
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.sent = 0                     # characters of text already emitted
+        self.finish_reason = None
+        self.arrived = time.monotonic()
+        self.admitted_at = None
+        self.first_token_at = None
+        self.last_token_at = None
+
+    @property
+    def reserve(self) -> int:
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output_ids)
+
+    def cancel(self):
+        """The client went away: the engine stops the sequence at its next
+        step and gives its blocks back. Safe from any thread."""
+        self.cancelled = True
+
+    def usage(self):
+        return {"prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": len(self.output_ids),
+                "total_tokens": len(self.prompt_ids) + len(self.output_ids),
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+# ---------------------------------------------------------------------------
+# The batched cache: per-sequence KvCaches of one step, as a transformers Cache
+# ---------------------------------------------------------------------------
+
+class _StepLayer(CacheLayerMixin):
+    """Layer ``layer_idx`` of the sequences in this step: their ``KvCache``
+    of that layer, each at its own length."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, layer_idx, seqs):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.seqs = seqs
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, kwargs=None, **extra):
+        """Store the step's rows (every sequence or none) and hand the layer
+        to the "ferrox" attention, which reads each cache in place."""
+        kn = key_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+        vn = value_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+        _extend_each(self.seqs, kn, vn)
+        if kwargs is None:
+            raise RuntimeError("the model did not pass its attention kwargs to the cache; "
+                               "ferrox_kv.serve needs a transformers 5 model")
+        kwargs["ferrox_layer"] = self
+        empty = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0,
+                                      key_states.shape[3]))
+        return empty, empty
+
+    def get_seq_length(self):
+        return self.seqs[0].seq_len if self.seqs else 0
+
+    def get_mask_sizes(self, query_length):
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self):
+        return -1
+
+    def reset(self):
+        pass
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class StepCache(Cache):
+    """The caches of the sequences that run in one forward, layer by layer:
+    ``requests[b].caches[layer]``. Lengths may differ; positions come from
+    the caller's ``position_ids``."""
+
+    def __init__(self, requests, config):
+        super().__init__(layers=[_StepLayer(i, [r.caches[i] for r in requests])
+                                 for i in range(len(requests[0].caches))])
+        self.config = config              # what the "ferrox" attention reads of its layer's owner
+        for layer in self.layers:
+            layer._owner = self
+
+
+def _roll_back(requests, lengths):
+    """A forward failed part-way: every layer of every sequence goes back to
+    the length it had before it."""
+    for r, n in zip(requests, lengths):
+        for c in r.caches:
+            if c.seq_len > n:
+                c.truncate(n)
+
+
+# ---------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------
+
+class Engine:
+    """The model, its tokenizer, one ``KvBlockPool`` and the step loop.
+
+    ``Engine(model, tokenizer, pool, *, mode="batch", max_batch=16,
+    max_queue=64, queue_timeout=30.0, prefill_chunk=256)``. ``start()``
+    launches the scheduler thread; ``submit(request)`` queues a request (or
+    raises ``Overloaded`` / ``NeverFits``); ``drain(deadline)`` stops
+    admitting and waits for the running requests; ``close()`` cancels what is
+    left, stops the threads and gives every block back.
+    """
+
+    def __init__(self, model, tokenizer, pool: KvBlockPool, *, mode="batch", max_batch=16,
+                 max_queue=64, queue_timeout=30.0, prefill_chunk=256, metrics=None):
+        if mode not in ("batch", "threads"):
+            raise ValueError(f"mode must be 'batch' or 'threads', got {mode!r}")
+        if getattr(model.config, "_attn_implementation", None) != ATTENTION:
+            raise ValueError(f"the model must run attn_implementation={ATTENTION!r}")
+        self.n_layers, n_kv, head_dim = kv_geometry(model.config)
+        if (pool.n_kv_heads, pool.head_dim) != (n_kv, head_dim):
+            raise ValueError(f"pool geometry ({pool.n_kv_heads} heads of {pool.head_dim}) does "
+                             f"not match the model's ({n_kv} heads of {head_dim})")
+        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if max_queue < 0 or queue_timeout < 0:
+            raise ValueError("max_queue and queue_timeout must be >= 0")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.mode = mode
+        self.max_batch = int(max_batch)
+        self.max_queue = int(max_queue)
+        self.queue_timeout = float(queue_timeout)
+        self.prefill_chunk = int(prefill_chunk)
+        self.metrics = metrics
+        self.n_kv, self.head_dim = n_kv, head_dim
+        text = model.config.get_text_config(decoder=True)
+        self.context = int(getattr(text, "max_position_embeddings", 0) or 0) or None
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []       # admitted (prefilling or decoding)
+        self._threads: list[threading.Thread] = []
+        self._draining = False
+        self._stopping = False
+        self._step_ema = None                   # seconds per decode step (per token in threads)
+        self._loop = None
+
+    # -- sizes --------------------------------------------------------------
+
+    def blocks_for(self, positions: int) -> int:
+        """Blocks a reservation of ``positions`` takes: every layer's."""
+        return self.n_layers * -(-positions // self.pool.block_size)
+
+    @property
+    def max_positions(self) -> int:
+        """The longest reservation this pool and model can ever grant."""
+        by_pool = (self.pool.total_blocks // self.n_layers) * self.pool.block_size
+        return min(by_pool, self.context) if self.context else by_pool
+
+    def stats(self):
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._queue)}
+
+    # -- the client side -------------------------------------------------------
+
+    def check_fits(self, request: Request):
+        """``NeverFits`` when the request's reservation exceeds what the pool
+        or the model's context can ever hold."""
+        n = len(request.prompt_ids)
+        if self.context and request.reserve > self.context:
+            raise NeverFits(
+                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {request.reserve} "
+                f"exceeds the model's context of {self.context} tokens; shorten the prompt or "
+                "lower max_tokens", "max_tokens" if n < self.context else "prompt")
+        if request.reserve > self.max_positions:
+            raise NeverFits(
+                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {request.reserve} "
+                f"positions need {self.blocks_for(request.reserve)} blocks; the whole pool "
+                f"holds {self.pool.total_blocks} ({self.max_positions} positions per request "
+                "at most); lower max_tokens or start the server with a larger --kv-blocks",
+                "max_tokens")
+
+    def submit(self, request: Request):
+        """Queue ``request`` (FIFO). Raises ``NeverFits`` or ``Overloaded``
+        (queue full or shutting down), with nothing queued."""
+        self.check_fits(request)
+        with self._cv:
+            if self._draining or self._stopping:
+                raise Overloaded("the server is shutting down; retry on another instance",
+                                 self.retry_after(request), "shutting_down")
+            if len(self._queue) >= self.max_queue and not self._can_start_now(request):
+                raise Overloaded(
+                    f"the queue is full ({self.max_queue} requests wait for KV blocks); "
+                    "retry after the time in Retry-After", self.retry_after(request), "queue_full")
+            self._queue.append(request)
+            self._cv.notify_all()
+
+    def _can_start_now(self, request):
+        return (not self._queue and len(self._running) < self.max_batch
+                and self.blocks_for(request.reserve) <= self.pool.free_blocks)
+
+    def retry_after(self, request=None) -> int:
+        """Seconds until the blocks ``request`` needs are likely back: the
+        running requests finish in order of their remaining tokens, each
+        freeing its reservation; the estimate is the remaining tokens of the
+        one whose end frees enough, times the measured seconds per step
+        (queued requests ahead count as needing their blocks first)."""
+        need = self.blocks_for(request.reserve) if request is not None else 1
+        need += sum(self.blocks_for(r.reserve) for r in self._queue)
+        free = self.pool.free_blocks
+        step = self._step_ema if self._step_ema is not None else 0.05
+        steps = 0
+        for r in sorted(self._running, key=lambda r: r.remaining):
+            if free >= need:
+                break
+            free += self.blocks_for(r.reserve)
+            steps = r.remaining + (len(r.prompt_ids) // self.prefill_chunk if
+                                   r.first_token_at is None else 0)
+        if free < need:                 # the queue ahead outlasts every running request
+            steps += sum(r.max_tokens for r in self._queue)
+        return max(1, math.ceil(steps * step))
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self):
+        t = threading.Thread(target=self._loop_main, name="ferrox-serve-engine", daemon=True)
+        self._loop = t
+        t.start()
+
+    def drain(self, deadline: float):
+        """Stop admitting (new and queued requests get ``Overloaded``) and
+        wait up to ``deadline`` seconds for the running requests to finish.
+        Returns whether they did."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify_all()
+            end = time.monotonic() + deadline
+            while self._running or self._queue:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.1))
+        return True
+
+    def close(self):
+        """Cancel whatever is left, stop the threads, give every block back."""
+        with self._cv:
+            self._stopping = True
+            for r in list(self._queue) + list(self._running):
+                r.cancel()
+            self._cv.notify_all()
+        if self._loop is not None:
+            self._loop.join(timeout=30)
+        for t in list(self._threads):
+            t.join(timeout=30)
+        with self._cv:
+            for r in list(self._queue):
+                self._refuse(r, "shutting_down", "the server shut down before the request ran")
+            self._queue.clear()
+            for r in list(self._running):
+                self._retire(r, publish=False)
+
+    # -- the scheduler ---------------------------------------------------------
+
+    def _loop_main(self):
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    self._expire_queue()
+                    self._admit()
+                    if self._stopping:
+                        return
+                    if not self._running or self.mode == "threads":
+                        self._cv.wait(0.05 if self._queue else 0.5)
+                        continue
+                    batch = list(self._running)
+                try:
+                    self._step(batch)
+                except Exception as e:          # a broken model: fail its requests, go on
+                    with self._cv:
+                        for r in batch:
+                            self._fail(r, e)
+
+    def _expire_queue(self):
+        """Queued requests past the timeout, cancelled, or refused by a drain
+        leave the queue."""
+        now = time.monotonic()
+        keep = collections.deque()
+        for r in self._queue:
+            if r.cancelled:
+                r.emit("done", "cancelled")
+                self._count("cancelled_queued")
+            elif self._draining or self._stopping:
+                self._refuse(r, "shutting_down", "the server is shutting down; the request was "
+                             "not started")
+            elif now - r.arrived > self.queue_timeout:
+                self._refuse(r, "queue_timeout",
+                             f"no KV blocks came free within the queue timeout "
+                             f"({self.queue_timeout:g} s); retry after the time in Retry-After")
+            else:
+                keep.append(r)
+        if len(keep) != len(self._queue):
+            self._queue = keep
+            self._cv.notify_all()
+
+    def _refuse(self, r, reason, message):
+        r.emit("error", Overloaded(message, self.retry_after(r), reason))
+        if self.metrics is not None:
+            self.metrics.refused(reason)
+
+    def _count(self, what):
+        if self.metrics is not None:
+            self.metrics.event(what)
+
+    def _admit(self):
+        """From the head of the queue while the pool can reserve (all layers,
+        all or nothing) and there is room in the batch."""
+        while self._queue and not (self._draining or self._stopping):
+            if len(self._running) >= self.max_batch:
+                return
+            r = self._queue[0]
+            salt = r.tenant if r.tenant is not None else None
+            try:
+                r.caches = KvCache.with_pool_many(
+                    self.n_layers, self.n_kv, self.head_dim, self.pool, r.reserve,
+                    tokens=np.asarray(r.prompt_ids, dtype=np.int64) if self.pool.prefix_cache else None,
+                    salt=salt)
+            except KvPoolExhausted:
+                return                          # the head waits; nobody overtakes it
+            self._queue.popleft()
+            r.cached_tokens = r.caches[0].seq_len
+            r.admitted_at = time.monotonic()
+            self._running.append(r)
+            if self.metrics is not None:
+                self.metrics.admitted(r)
+            if self.mode == "threads":
+                t = threading.Thread(target=self._thread_main, args=(r,), daemon=True,
+                                     name="ferrox-serve-request")
+                self._threads.append(t)
+                t.start()
+
+    def _step(self, batch):
+        """One iteration: a prefill chunk for each admitted request that
+        needs one, then one decode forward over every decoding sequence."""
+        decoding = []
+        for r in batch:
+            if r.cancelled:
+                continue
+            if r.caches[0].seq_len < len(r.prompt_ids):
+                self._prefill_chunk(r)
+            elif r.output_ids:
+                decoding.append(r)
+        if decoding:
+            t0 = time.perf_counter()
+            logits = self._forward(decoding, [[r.output_ids[-1]] for r in decoding])
+            dt = time.perf_counter() - t0
+            self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
+            if self.metrics is not None:
+                self.metrics.decode_batch(len(decoding))
+            for r, row in zip(decoding, logits):
+                self._accept(r, r.sampling.pick(row))
+        with self._cv:
+            for r in batch:
+                if r.cancelled or r.finish_reason is not None:
+                    self._retire(r, publish=r.finish_reason is not None)
+                    if r.finish_reason is None:
+                        r.emit("done", "cancelled")
+                        self._count("cancelled_running")
+
+    def _prefill_chunk(self, r):
+        have = r.caches[0].seq_len
+        chunk = r.prompt_ids[have:have + self.prefill_chunk]
+        logits = self._forward([r], [chunk])
+        if have + len(chunk) == len(r.prompt_ids):
+            self._accept(r, r.sampling.pick(logits[0]))
+
+    def _forward(self, requests, tokens):
+        """One model forward; ``tokens[b]`` are sequence b's next positions
+        (equal counts). Returns the last position's logits, (B, vocab)."""
+        lengths = [r.caches[0].seq_len for r in requests]
+        n = len(tokens[0])
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = torch.tensor([[L + i for i in range(n)] for L in lengths], dtype=torch.long)
+        try:
+            out = self.model(input_ids=ids, position_ids=pos,
+                             cache=StepCache(requests, self.model.config),
+                             use_cache=True, logits_to_keep=1)
+        except BaseException:
+            _roll_back(requests, lengths)
+            raise
+        return out.logits[:, -1, :]
+
+    def _accept(self, r, token):
+        """A new token for ``r``: stream its text, decide whether it ends."""
+        now = time.monotonic()
+        if r.first_token_at is None:
+            r.first_token_at = now
+            if self.metrics is not None:
+                self.metrics.first_token(r, now - r.arrived)
+        elif self.metrics is not None:
+            self.metrics.inter_token(now - r.last_token_at)
+        r.last_token_at = now
+        r.output_ids.append(token)
+        if token in self.eos:
+            r.output_ids.pop()                   # not part of the text, nor of the usage
+            self._finish(r, "stop")
+            return
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        stop_at = -1
+        for s in r.stop:
+            i = text.find(s, max(0, r.sent - len(s)))
+            if i >= 0 and (stop_at < 0 or i < stop_at):
+                stop_at = i
+        if stop_at >= 0:
+            r.text = text[:stop_at]
+            self._flush(r)
+            self._finish(r, "stop")
+            return
+        r.text = text
+        # hold back an incomplete character, and a tail that may start a stop string
+        hold = 1 if text.endswith("\ufffd") else 0
+        for s in r.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        self._flush(r, len(text) - hold)
+        if len(r.output_ids) >= r.max_tokens:
+            self._flush(r)
+            self._finish(r, "length")
+
+    def _flush(self, r, upto=None):
+        upto = len(r.text) if upto is None else upto
+        if upto > r.sent:
+            r.emit("token", r.text[r.sent:upto])
+            r.sent = upto
+
+    def _finish(self, r, reason):
+        r.finish_reason = reason
+
+    def _retire(self, r, publish):
+        """``r`` leaves the batch: publish what it computed (prompt and
+        output, the positions that have K/V), give its blocks back, report."""
+        if r in self._running:
+            self._running.remove(r)
+        if r.caches is not None:
+            if publish and self.pool.prefix_cache:
+                have = r.caches[0].seq_len
+                ids = (r.prompt_ids + r.output_ids)[:have]
+                try:
+                    self.pool.publish(r.caches, np.asarray(ids, dtype=np.int64), salt=r.tenant)
+                except Exception:             # publishing is an optimisation
+                    pass
+            for c in r.caches:
+                c.close()
+            r.caches = None
+        if r.finish_reason is not None:
+            if self.metrics is not None:
+                self.metrics.finished(r, time.monotonic() - r.arrived)
+            r.emit("done", r.finish_reason)
+        self._cv.notify_all()
+
+    def _fail(self, r, exc):
+        r.finish_reason = None
+        r.cancelled = True
+        self._retire(r, publish=False)
+        r.emit("error", exc)
+
+    # -- threads mode ----------------------------------------------------------
+
+    def _thread_main(self, r):
+        """``mode="threads"``: one request, batch 1, in its own thread."""
+        try:
+            with torch.inference_mode():
+                while not r.cancelled and r.finish_reason is None and not self._stopping:
+                    if r.caches[0].seq_len < len(r.prompt_ids):
+                        self._prefill_chunk(r)
+                    else:
+                        t0 = time.perf_counter()
+                        logits = self._forward([r], [[r.output_ids[-1]]])
+                        dt = time.perf_counter() - t0
+                        self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
+                        self._accept(r, r.sampling.pick(logits[0]))
+        except Exception as e:
+            with self._cv:
+                self._fail(r, e)
+            return
+        finally:
+            with self._cv:
+                self._threads = [t for t in self._threads if t is not threading.current_thread()]
+        with self._cv:
+            self._retire(r, publish=r.finish_reason is not None)
+            if r.finish_reason is None:
+                r.emit("done", "cancelled")
+                self._count("cancelled_running")

@@ -1,0 +1,90 @@
+"""A model directory made offline, to try the server and to test it:
+``python -m ferrox_kv.serve.tiny DIR`` writes a tiny random Llama (saved
+with ``save_pretrained``) and a byte-level BPE tokenizer trained here with
+the ``tokenizers`` library (``PreTrainedTokenizerFast``, with a chat
+template). The weights are random, so the text is meaningless; the server's
+behaviour (batching, admission, streaming, metrics) is what it shows.
+
+    python -m ferrox_kv.serve.tiny ./tiny-llama && ferrox-kv serve ./tiny-llama
+"""
+from __future__ import annotations
+
+import sys
+
+TEXT = """The pool is a bounded set of blocks that request threads share. A request
+reserves its worst case when it is admitted, so that decoding can never fail
+half way. When the pool is full a request waits in a queue, first in first out,
+and after a timeout it is refused with a status that tells the client when to
+come back. The prefix cache keeps the blocks of published prompts, so that a
+system prompt shared by many requests is computed once. Tenants never share
+blocks: the salt keeps their prefixes apart. Attention reads each sequence's
+own blocks at its own length, in place, without gathering them first. The quick
+brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.
+Sphinx of black quartz, judge my vow. How vexingly quick daft zebras jump!
+0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' " @ # $ % & _ ~
+"""
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                 "{% endif %}")
+
+SYSTEM = ("You are a helpful assistant that answers questions about the KV cache, blocks, "
+          "pools and tenants. Keep answers short. ")
+
+
+def make_model_dir(path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=None,
+                   intermediate=None, vocab=320, context=1024, seed=1234):
+    """Write a model directory at ``path`` (made if missing) and return its
+    path: a random Llama and a byte-level BPE tokenizer trained on ``TEXT``
+    (``vocab`` entries at most), with ``CHAT_TEMPLATE``."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(fast), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
+        max_position_embeddings=context, bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.pad_token_id = fast.pad_token_id
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.save_pretrained(path)
+    return str(path)
+
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m ferrox_kv.serve.tiny", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="where to write the model directory")
+    ap.add_argument("--bench", action="store_true",
+                    help="the hf bench model's geometry (hidden 1024, 2 layers, 32/8 heads x 128)")
+    a = ap.parse_args(argv)
+    kw = BENCH if a.bench else {}
+    print(make_model_dir(a.dir, **kw))
+    return 0
+
+
+# the hf bench model (ferrox_kv/bench/llama.py): 2 layers, 32 query heads over 8
+# KV heads x 128, hidden 1024
+BENCH = dict(hidden=1024, layers=2, heads=32, kv_heads=8, head_dim=128, intermediate=1024,
+             vocab=1024, context=4096)
+
+if __name__ == "__main__":
+    sys.exit(main())

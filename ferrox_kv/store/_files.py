@@ -1,0 +1,67 @@
+"""Prefix files on disk: written atomically, read whole and verified."""
+from __future__ import annotations
+
+import os
+import secrets
+from typing import IO, Any, Callable, Sequence, TypeVar
+
+import numpy as np
+
+from ferrox_kv.store._format import Decoded, Entry, Geometry, decode_file, write_file
+
+T = TypeVar("T")
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], T]) -> T:
+    """Call ``write(f)`` on a new temporary file in ``path``'s directory, flush and
+    fsync it, rename it over ``path`` and fsync the directory. A crash at any
+    point leaves either the old file or the new one at ``path``, whole; on an
+    exception the temporary file is removed and ``path`` is untouched."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return result
+
+
+def save_file(path: str | os.PathLike[str], geometry: Geometry, fingerprint: Any,
+              entries: Sequence[Entry]) -> int:
+    """Write a prefix file atomically (see ``atomic_write``); returns its bytes.
+    Entries are validated before anything is written."""
+    return atomic_write(path, lambda f: write_file(f, geometry, fingerprint, entries))
+
+
+def load_file(path: str | os.PathLike[str], *, geometry: Geometry | None = None,
+              fingerprint: Any = None) -> Decoded:
+    """Read a prefix file whole into one private buffer and verify every entry
+    (``decode_file``) before returning any; the entries' arrays are views of
+    that buffer."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = np.empty(size, np.uint8)
+        view, got = buf.data, 0
+        while got < size:                  # a file that shrank reads short: truncated
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        del view
+        buf = buf[:got]
+    return decode_file(buf, geometry=geometry, fingerprint=fingerprint)

@@ -1,0 +1,563 @@
+"""RedisPrefixStore against a real redis-server (Debian's package), started by
+the tests on a free loopback port with a temporary directory: round trips,
+pipelining, verification of every fetched value, and faults (Redis stopped,
+restarted, slow; corrupt, truncated, foreign and evicted values)."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+_WHY = None
+if REDIS_SERVER is None:
+    _WHY = "no redis-server binary on PATH (apt-get install redis-server)"
+else:
+    try:
+        import redis
+        import xxhash  # noqa: F401
+    except ModuleNotFoundError as e:
+        _WHY = f"the redis extra is not installed ({e.name}): pip install 'ferrox_kv[redis]'"
+if _WHY is not None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError(f"CI must run the Redis tests, but {_WHY}")
+    pytest.skip(_WHY, allow_module_level=True)
+
+from ferrox_kv import KvBlockPool, KvCache
+from ferrox_kv.store import Geometry, RedisPrefixStore, encode_value, entries_from_rows
+
+G = Geometry(16, 2, 2, 8, 8)
+FP = b"model@1"
+
+
+class RedisServer:
+    """One redis-server on 127.0.0.1, no persistence, DEBUG allowed (for
+    DEBUG SLEEP); stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, folder, port=None):
+        self.folder, self.port, self.proc = str(folder), port, None
+
+    # what this server runs with beyond the port, the folder and no persistence
+    extra = ("--enable-debug-command", "yes")
+    # the environment of the server: not the suite's ASan preload
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+
+    def _port(self):
+        return self.port or _free_port()
+
+    def start(self):
+        for _ in range(20):
+            port = self._port()
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", self.folder,
+                 "--save", "", "--appendonly", "no", *self.extra,
+                 "--daemonize", "no", "--logfile", os.path.join(self.folder, "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    redis.Redis(port=port, socket_timeout=1).ping()
+                    self.port = port
+                    return self
+                except redis.RedisError:
+                    time.sleep(0.02)
+            self.stop()
+            if self.port:                           # a fixed port: no other to try
+                break
+        raise RuntimeError(f"redis-server did not start (see {self.folder}/redis.log)")
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kw):
+        return redis.Redis(port=self.port, socket_timeout=10, **kw)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(shared_server):
+    shared_server.client().flushall()
+    return shared_server
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A server of this test's own, which the test may stop and restart."""
+    s = RedisServer(tmp_path).start()
+    yield s
+    s.stop()
+
+
+def _chain(n_tokens=512, salt=None, seed=0, geometry=G):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 32000, n_tokens)
+    k = [rng.standard_normal((n_tokens, geometry.k_row_bytes // 4)).astype(np.float32)
+         for _ in range(geometry.n_layers)]
+    v = [rng.standard_normal((n_tokens, geometry.v_row_bytes // 4)).astype(np.float32)
+         for _ in range(geometry.n_layers)]
+    return tokens, entries_from_rows(geometry, tokens, k, v, salt=salt)
+
+
+def _equal(got, want):
+    return len(got) == len(want) and all(
+        a.key == b.key and a.depth == b.depth and np.array_equal(a.tokens, b.tokens)
+        and np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v) for a, b in zip(got, want))
+
+
+class CountingRedis(redis.Redis):
+    """A client that counts round trips (pipeline executions)."""
+    round_trips = 0
+
+    def pipeline(self, *a, **kw):
+        pipe = super().pipeline(*a, **kw)
+        execute = pipe.execute
+
+        def counted(*x, **y):
+            CountingRedis.round_trips += 1
+            return execute(*x, **y)
+
+        pipe.execute = counted
+        return pipe
+
+
+def test_a_512_token_chain_round_trips_in_a_few_round_trips(server):
+    client = CountingRedis(port=server.port, socket_timeout=5)
+    store = RedisPrefixStore(client, namespace="t", fingerprint=FP)
+    tokens, entries = _chain(512)
+    CountingRedis.round_trips = 0
+    assert store.put_chain(G, entries) == 32
+    assert CountingRedis.round_trips == 2                      # EXISTS all, SET all
+    CountingRedis.round_trips = 0
+    got = store.get_chain(G, tokens)
+    assert CountingRedis.round_trips == 1 and _equal(got, entries)
+    assert not got[0].k.flags.writeable
+    s = store.stats()
+    value_bytes = sum(len(encode_value(G, FP, e)) for e in entries)
+    assert s == dict(lookups=1, hits=1, misses=0, entries_fetched=32, tokens_fetched=512,
+                     bytes_fetched=value_bytes, entries_written=32, tokens_written=512,
+                     bytes_written=value_bytes, errors=0, rejected=0)
+    # publishing it again writes nothing (asked first, one round trip)
+    CountingRedis.round_trips = 0
+    assert store.put_chain(G, entries) == 0 and CountingRedis.round_trips == 1
+    assert server.client().dbsize() == 32
+
+
+def test_a_repeated_publish_encodes_nothing_and_a_partial_one_only_the_missing(server,
+                                                                               monkeypatch):
+    import ferrox_kv.store._redis as r
+    encoded = []
+    real = r.encode_value
+    monkeypatch.setattr(r, "encode_value", lambda g, fp, e: encoded.append(e.depth) or real(g, fp, e))
+    store = _store(server)
+    tokens, entries = _chain(128)
+    assert store.put_chain(G, entries[:3]) == 3 and encoded == [0, 1, 2]
+    encoded.clear()
+    assert store.put_chain(G, entries) == 5 and encoded == [3, 4, 5, 6, 7]
+    encoded.clear()
+    assert store.put_chain(G, entries) == 0 and encoded == []
+    assert _equal(store.get_chain(G, tokens), entries)
+
+
+def test_batches_split_by_bytes_and_a_continuation_from_a_local_prefix(server):
+    client = CountingRedis(port=server.port, socket_timeout=5)
+    one = len(encode_value(G, FP, _chain(16)[1][0]))
+    store = RedisPrefixStore(client, namespace="t", fingerprint=FP, batch_bytes=4 * one)
+    tokens, entries = _chain(512)
+    CountingRedis.round_trips = 0
+    assert store.put_chain(G, entries) == 32 and CountingRedis.round_trips == 1 + 8
+    CountingRedis.round_trips = 0
+    got = store.get_chain(G, tokens, start=10, limit=5)      # blocks 10..14
+    assert _equal(got, entries[10:15]) and CountingRedis.round_trips >= 2
+    assert store.get_chain(G, tokens[:100], start=6) == []   # 6 full blocks: nothing after
+    assert _equal(store.get_chain(G, list(tokens[:40])), entries[:2])   # full blocks only
+
+
+def test_keys_carry_namespace_fingerprint_geometry_dtype_and_the_chained_hash(server):
+    store = RedisPrefixStore(server.url, namespace="llama-8b", fingerprint=FP)
+    tokens, entries = _chain(32)
+    store.put_chain(G, entries)
+    keys = sorted(server.client().keys("*"))
+    want = sorted(store.key(G, e.key) for e in entries)
+    assert keys == want
+    ns, ver, fp, geom, h = keys[0].decode().split(":")
+    assert (ns, ver, geom) == ("llama-8b", "fxkv1", "bs16.L2.h2.d8.v8.float32")
+    assert len(fp) == 16 and h in (entries[0].key.hex(), entries[1].key.hex())
+    other = RedisPrefixStore(server.url, namespace="llama-8b", fingerprint=b"model@2")
+    assert other.key(G, entries[0].key) != store.key(G, entries[0].key)
+    assert store.key(G._replace(dtype="float16"), entries[0].key) != store.key(G, entries[0].key)
+
+
+def _store(server, **kw):
+    return RedisPrefixStore(server.url, namespace="t", fingerprint=FP, **kw)
+
+
+def _tamper(server, store, entry, change):
+    c = server.client()
+    key = store.key(G, entry.key)
+    c.set(key, change(c.get(key)))
+
+
+def test_a_flipped_byte_in_any_stored_value_is_rejected_and_the_run_stops_there(server):
+    store = _store(server)
+    tokens, entries = _chain(128)
+    store.put_chain(G, entries)
+    value = server.client().get(store.key(G, entries[3].key))
+    for at in list(range(0, 200, 7)) + [len(value) // 2, len(value) - 1]:
+        _tamper(server, store, entries[3], lambda v: v[:at] + bytes([v[at] ^ 0x10]) + v[at + 1:])
+        assert _equal(store.get_chain(G, tokens), entries[:3])
+        server.client().set(store.key(G, entries[3].key), value)
+    s = store.stats()
+    assert s["rejected"] == s["lookups"] and s["errors"] == 0
+    assert _equal(store.get_chain(G, tokens), entries)
+
+
+def test_a_truncated_value_is_rejected(server):
+    store = _store(server)
+    tokens, entries = _chain(64)
+    store.put_chain(G, entries)
+    _tamper(server, store, entries[2], lambda v: v[:-1])
+    assert _equal(store.get_chain(G, tokens), entries[:2])
+    _tamper(server, store, entries[0], lambda v: v[:100])
+    assert store.get_chain(G, tokens) == []
+    s = store.stats()
+    assert (s["rejected"], s["hits"], s["misses"]) == (2, 1, 1)
+
+
+def test_a_value_written_under_another_fingerprint_salt_geometry_or_dtype_is_rejected(server):
+    store = _store(server)
+    tokens, entries = _chain(64, salt="tenant-a")
+    c = server.client()
+    # another model's value under this model's key: its fingerprint differs
+    other = RedisPrefixStore(server.url, namespace="t", fingerprint=b"model@2")
+    other.put_chain(G, entries)
+    assert store.get_chain(G, tokens, salt="tenant-a") == []          # other keys: a miss
+    for e in entries:
+        c.set(store.key(G, e.key), c.get(other.key(G, e.key)))
+    assert store.get_chain(G, tokens, salt="tenant-a") == []
+    assert store.stats()["rejected"] == 1
+    assert c.dbsize() == 2 * 4 - 1                    # the rejected value was deleted
+    c.flushall()
+    # tenant a's values under tenant b's keys
+    store.put_chain(G, entries)
+    _, b_entries = _chain(64, salt="tenant-b")
+    for a, b in zip(entries, b_entries):
+        c.set(store.key(G, b.key), c.get(store.key(G, a.key)))
+    assert store.get_chain(G, tokens, salt="tenant-b") == []
+    assert _equal(store.get_chain(G, tokens, salt="tenant-a"), entries)
+    # a float32 value under the float16 geometry's key (same row count, rows differ)
+    g16 = G._replace(dtype="float16")
+    c.set(store.key(g16, entries[0].key), c.get(store.key(G, entries[0].key)))
+    assert store.get_chain(g16, tokens, salt="tenant-a") == []
+    g3 = G._replace(n_layers=3)
+    c.set(store.key(g3, entries[0].key), c.get(store.key(G, entries[0].key)))
+    assert store.get_chain(g3, tokens, salt="tenant-a") == []
+    assert store.stats()["rejected"] == 4 and store.stats()["errors"] == 0
+
+
+def test_a_chain_whose_middle_entry_was_evicted_gives_the_longest_verified_prefix(server):
+    store = _store(server)
+    tokens, entries = _chain(256)
+    store.put_chain(G, entries)
+    server.client().delete(store.key(G, entries[5].key))
+    assert _equal(store.get_chain(G, tokens), entries[:5])
+    assert store.stats()["rejected"] == 0 and store.stats()["errors"] == 0
+    assert store.put_chain(G, entries) == 1                    # only the evicted one
+    assert _equal(store.get_chain(G, tokens), entries)
+
+
+def test_ttl_expires_entries(server):
+    store = _store(server, ttl=100)
+    tokens, entries = _chain(32)
+    store.put_chain(G, entries)
+    assert 0 < server.client().ttl(store.key(G, entries[0].key)) <= 100
+
+
+def test_redis_stopped_midrun_counts_errors_without_hanging_and_restarted_reuse_resumes(
+        own_server):
+    store = RedisPrefixStore(own_server.url, namespace="t", fingerprint=FP, timeout=0.5)
+    tokens, entries = _chain(128)
+    assert store.put_chain(G, entries) == 8
+    assert _equal(store.get_chain(G, tokens), entries)
+    own_server.stop()
+    t = time.monotonic()
+    assert store.get_chain(G, tokens) == []
+    assert store.put_chain(G, entries) == 0
+    assert time.monotonic() - t < 2 * 0.5 + 1.0
+    s = store.stats()
+    assert (s["errors"], s["misses"], s["hits"]) == (2, 1, 1)
+    own_server.start()                                  # the same port, empty
+    assert store.get_chain(G, tokens) == []
+    assert store.put_chain(G, entries) == 8
+    assert _equal(store.get_chain(G, tokens), entries)
+    assert store.stats()["errors"] == 2
+
+
+def test_a_slow_redis_is_bounded_by_the_timeout(server):
+    store = _store(server, timeout=0.3)
+    tokens, entries = _chain(64)
+    store.put_chain(G, entries)
+    sleeper = threading.Thread(target=lambda: server.client().execute_command("DEBUG", "SLEEP",
+                                                                              "1.5"))
+    sleeper.start()
+    try:
+        time.sleep(0.1)                                  # the server is asleep now
+        t = time.monotonic()
+        assert store.get_chain(G, tokens) == []
+        elapsed = time.monotonic() - t
+        assert elapsed < 0.3 + 0.5, elapsed
+        t = time.monotonic()
+        assert store.put_chain(G, entries) == 0
+        assert time.monotonic() - t < 0.3 + 0.5
+    finally:
+        sleeper.join()
+    assert store.stats()["errors"] == 2
+    assert _equal(store.get_chain(G, tokens), entries)   # awake again: reuse resumes
+
+
+def test_a_key_of_another_type_counts_as_an_error_and_keeps_the_run_before_it(server):
+    store = _store(server)
+    tokens, entries = _chain(64)
+    store.put_chain(G, entries)
+    c = server.client()
+    c.delete(store.key(G, entries[2].key))
+    c.rpush(store.key(G, entries[2].key), b"x")              # GET answers WRONGTYPE
+    assert _equal(store.get_chain(G, tokens), entries[:2])
+    assert store.stats()["errors"] == 1
+
+
+def test_bad_arguments_raise_before_any_io(server):
+    c = server.client()
+    with pytest.raises(ValueError, match="namespace"):
+        RedisPrefixStore(server.url, namespace="a b", fingerprint=FP)
+    with pytest.raises(ValueError, match="namespace"):
+        RedisPrefixStore(server.url, namespace="", fingerprint=FP)
+    with pytest.raises(TypeError, match="fingerprint"):
+        RedisPrefixStore(server.url, namespace="t", fingerprint=None)
+    with pytest.raises(ValueError, match="timeout"):
+        RedisPrefixStore(server.url, namespace="t", fingerprint=FP, timeout=0)
+    with pytest.raises(ValueError, match="ttl"):
+        RedisPrefixStore(server.url, namespace="t", fingerprint=FP, ttl=-1)
+    with pytest.raises(ValueError, match="decode"):
+        RedisPrefixStore(server.client(decode_responses=True), namespace="t", fingerprint=FP)
+    with pytest.raises(TypeError, match="url_or_client"):
+        RedisPrefixStore(6379, namespace="t", fingerprint=FP)
+    store = _store(server)
+    tokens, entries = _chain(64)
+    with pytest.raises(ValueError, match="child of entry"):
+        store.put_chain(G, [entries[0], entries[2]])
+    with pytest.raises(ValueError, match="chained hash"):
+        store.put_chain(G, [entries[0]._replace(salt="x")])
+    with pytest.raises(ValueError, match="start"):
+        store.get_chain(G, tokens, start=-1)
+    with pytest.raises(TypeError, match="salt"):
+        store.get_chain(G, tokens, salt=1.5)
+    with pytest.raises(ValueError, match="entry 1: k must be uint8"):
+        store.put_chain(G, [entries[0], entries[1]._replace(k=entries[1].k[:1])])
+    with pytest.raises(ValueError, match="entry 0: v must be uint8"):
+        store.put_chain(G, [entries[0]._replace(v=entries[0].v.view(np.int8))])
+    assert c.dbsize() == 0 and store.stats()["lookups"] == 0
+    assert store.put_chain(G, entries[2:]) == 2                # a run from any depth
+    assert store.get_chain(G, tokens, start=2) != []
+
+
+def test_two_processes_share_a_prefix_and_the_rows_are_exactly_the_writers(server, tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from ferrox_kv import KvBlockPool, KvCache
+        from ferrox_kv.store import Geometry, RedisPrefixStore, entries_from_rows
+        url, role, out = sys.argv[1:]
+        pool = KvBlockPool(16, 64, 2, 8, prefix_cache=True)
+        g = Geometry.of_pool(pool, 2)
+        store = RedisPrefixStore(url, namespace="t", fingerprint="model@1")
+        tokens = np.arange(1000, 1000 + 200)
+        if role == "writer":
+            rng = np.random.default_rng()                 # rows only this process knows
+            caches = KvCache.with_pool_many(2, 2, 8, pool, 200)
+            for c in caches:
+                c.extend(rng.standard_normal((200, 2, 8)).astype(np.float32),
+                         rng.standard_normal((200, 2, 8)).astype(np.float32))
+            pool.publish(caches, tokens, salt="sys")
+            n = store.put_chain(g, entries_from_rows(g, tokens, [c.k for c in caches],
+                                                     [c.v for c in caches], salt="sys"))
+            np.save(out, np.stack([np.stack([c.k[:192] for c in caches]),
+                                   np.stack([c.v[:192] for c in caches])]))
+        else:
+            got = store.get_chain(g, tokens, salt="sys")
+            caches = KvCache.with_pool_many(2, 2, 8, pool, 200)
+            for j, c in enumerate(caches):      # what the pool's read-through will do
+                c.extend(np.concatenate([e.k[j] for e in got]).view(np.float32).reshape(-1, 2, 8),
+                         np.concatenate([e.v[j] for e in got]).view(np.float32).reshape(-1, 2, 8))
+            np.save(out, np.stack([np.stack([c.k for c in caches]),
+                                   np.stack([c.v for c in caches])]))
+            n = len(got)
+        print(n, store.stats()["hits"], store.stats()["rejected"])
+    """)
+    run = lambda role: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", script, server.url, role, str(tmp_path / f"{role}.npy")],
+        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    w = run("writer")
+    assert w.returncode == 0, w.stderr
+    assert w.stdout.split() == ["12", "0", "0"]
+    r = run("reader")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["12", "1", "0"]
+    assert np.array_equal(np.load(tmp_path / "writer.npy"), np.load(tmp_path / "reader.npy"))
+
+
+def test_eight_threads_publish_and_fetch_through_one_store(server):
+    store = RedisPrefixStore(server.url, namespace="t", fingerprint=FP, timeout=5)
+    prompts = [_chain(256, salt=s, seed=i) for i, s in enumerate([None, None, "x", 5])]
+    prompts[1] = _chain(256, salt=None, seed=0)         # the same prompt as 0 (contention)
+    seen = []
+    failures = []
+    barrier = threading.Barrier(8)
+
+    def worker(tid):
+        try:
+            barrier.wait()
+            for it in range(12):
+                tokens, entries = prompts[(tid + it) % 4]
+                salt = entries[0].salt
+                got = store.get_chain(G, tokens, salt=salt, start=it % 3)
+                if not _equal(got, entries[it % 3:it % 3 + len(got)]):
+                    failures.append((tid, it))
+                store.put_chain(G, entries)
+                seen.append(len(got))
+        except BaseException as e:                     # pragma: no cover
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures and len(seen) == 96
+    s = store.stats()
+    assert s["lookups"] == 96 and s["errors"] == 0 and s["rejected"] == 0
+    assert s["entries_fetched"] == sum(seen) and s["hits"] > 48
+    assert server.client().dbsize() == 3 * 16        # three distinct prompts, each once
+    assert s["entries_written"] >= 3 * 16           # racing publishers may both write one
+
+
+def test_the_store_works_with_a_pool_shaped_geometry(server):
+    pool = KvBlockPool(16, 8, 2, 8, v_head_dim=4)
+    g = Geometry.of_pool(pool, 1)
+    assert g.v_row_bytes == 2 * 4 * 4
+    store = _store(server)
+    c = KvCache.with_pool(2, 8, pool, 32, v_head_dim=4)
+    rng = np.random.default_rng(0)
+    c.extend(rng.standard_normal((32, 2, 8)).astype(np.float32),
+             rng.standard_normal((32, 2, 4)).astype(np.float32))
+    entries = entries_from_rows(g, np.arange(32), [c.k], [c.v])
+    assert store.put_chain(g, entries) == 2
+    got = store.get_chain(g, np.arange(32))
+    assert np.array_equal(np.concatenate([e.v[0] for e in got]).view(np.float32).reshape(32, 2, 4),
+                          c.v)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A three-node Redis Cluster on loopback (no replicas), made with
+    redis-cli --cluster create."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI must run the cluster test, but redis-cli is missing "
+                               "(Debian's redis-tools, which redis-server depends on)")
+        pytest.skip("no redis-cli binary (apt-get install redis-tools)")
+    nodes = []
+    try:
+        for i in range(3):
+            folder = tmp_path / f"node{i}"
+            folder.mkdir()
+            node = ClusterNode(folder)
+            nodes.append(node.start())
+        out = subprocess.run([cli, "--cluster", "create",
+                              *[f"127.0.0.1:{n.port}" for n in nodes],
+                              "--cluster-replicas", "0", "--cluster-yes"],
+                             capture_output=True, text=True, timeout=60, env=nodes[0].env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            info = redis.Redis(port=nodes[0].port).execute_command("CLUSTER", "INFO")
+            if b"cluster_state:ok" in info:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("the cluster did not reach cluster_state:ok")
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+class ClusterNode(RedisServer):
+    extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+
+    def _port(self):
+        return _free_port_with_bus()
+
+
+def _free_port_with_bus():
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    import random
+    for _ in range(200):
+        port = random.randint(20000, 29999)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def test_a_redis_cluster_works_through_redis_pys_cluster_client(cluster):
+    from redis.cluster import RedisCluster
+    client = RedisCluster(host="127.0.0.1", port=cluster[0].port, socket_timeout=5)
+    store = RedisPrefixStore(client, namespace="t", fingerprint=FP)
+    tokens, entries = _chain(256)
+    assert store.put_chain(G, entries) == 16
+    assert _equal(store.get_chain(G, tokens), entries)
+    per_node = [redis.Redis(port=n.port).dbsize() for n in cluster]
+    assert sum(per_node) == 16 and sum(1 for n in per_node if n) >= 2   # spread over nodes
+    key = store.key(G, entries[5].key)
+    client.set(key, client.get(key)[:-1])                              # a truncated value
+    assert _equal(store.get_chain(G, tokens), entries[:5])
+    assert not client.exists(key)                                       # rejected, dropped
+    assert store.put_chain(G, entries) == 1
+    assert _equal(store.get_chain(G, tokens), entries)
+    s = store.stats()
+    assert (s["rejected"], s["errors"], s["hits"]) == (1, 0, 3)
+    client.close()
