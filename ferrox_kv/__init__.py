@@ -2,8 +2,9 @@
 
 One ``KvCache`` per sequence and layer, and one bounded ``KvBlockPool`` per
 process that request threads share (paged, PagedAttention-style allocation
-with admission control). The core is Cython over raw ``float*``; copies run
-without the GIL where that pays.
+with admission control), storing K/V as float32, float16, bfloat16 or int8
+with scales (``dtype=``). The core is Cython over raw rows; copies (and the
+conversions into the storage dtype) run without the GIL where that pays.
 """
 import os as _os
 
@@ -20,6 +21,7 @@ except ModuleNotFoundError as _e:
         "build in place with `python setup.py build_ext --inplace`.") from None
 
 from ferrox_kv._core import (
+    DTYPES,
     KvBlockPool,
     KvCache,
     KvPoolExhausted,
@@ -36,6 +38,7 @@ from ferrox_kv._core import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DTYPES",
     "KvBlockPool",
     "KvCache",
     "KvPoolExhausted",

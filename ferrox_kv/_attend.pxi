@@ -56,19 +56,24 @@ def set_attend_gil_release_threshold(Py_ssize_t nbytes):
     return old
 
 
-def simd_path():
+def simd_path(dtype=None):
     """The SIMD code path the attention kernel runs on this CPU (chosen at
-    load time: the wheel carries a baseline and an x86-64-v3 version)."""
-    return fx_attend_simd_path().decode()
+    load time: the wheel carries a baseline and an x86-64-v3 version). With
+    a storage ``dtype``, also how rows of that dtype are loaded, e.g.
+    ``"x86-64-v3 (AVX2+FMA); float16: F16C vcvtph2ps"``."""
+    path = fx_attend_simd_path().decode()
+    if dtype is None:
+        return path
+    return f"{path}; {fx_attend_load_path(_dtype_code(dtype, 'dtype')).decode()}"
 
 
 cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
-    """Where the kernel finds a cache's rows."""
+    """Where the kernel finds a cache's rows: bytes, typed by the dtype."""
     cdef Pool* p = c.pool
     kv.len = c.len
-    kv.dtype = FX_F32
-    kv.k_row = <size_t>c.kw * sizeof(float)
-    kv.v_row = <size_t>c.vw * sizeof(float)
+    kv.dtype = c.dtype
+    kv.k_row = c.k_row
+    kv.v_row = c.v_row
     if p == NULL:
         kv.k = c.k
         kv.v = c.v
@@ -81,8 +86,8 @@ cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
         kv.v = p.v_arena
         kv.table = c.table
         kv.block_size = p.block_size
-        kv.k_block = p.k_block_floats * sizeof(float)
-        kv.v_block = p.v_block_floats * sizeof(float)
+        kv.k_block = p.k_block
+        kv.v_block = p.v_block
 
 
 cdef void _attend_each(const fx_kv* kvs, fx_attn_args* a, const Py_ssize_t* st,
@@ -175,7 +180,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                                  "are the cache's last q_len positions")
             if starts is not None and starts[i] < 0:
                 raise ValueError(f"start must be >= 0, got {starts[i]}")
-            ctx_bytes += <size_t>cs[i].len * <size_t>(cs[i].kw + cs[i].vw) * sizeof(float)
+            ctx_bytes += <size_t>cs[i].len * (cs[i].k_row + cs[i].v_row)
         shape = ((n,) if batched else ()) + ((q_len,) if q_len >= 0 else ()) + (nh, c0.v_head_dim)
         if oa is None:
             oa = np.empty(shape, np.float32)

@@ -67,22 +67,32 @@ cdef int _check_same_geometry(tuple cl, str what) except -1:
         ci = <KvCache>cl[i]
         if ci.c.kw != c0.c.kw or ci.c.vw != c0.c.vw or ci.head_dim != c0.head_dim:
             raise ValueError(f"{what}[{i}] has another geometry than {what}[0]")
+        if ci.c.dtype != c0.c.dtype:
+            raise ValueError(f"{what}[{i}] stores {DTYPES[ci.c.dtype]} and {what}[0] stores "
+                             f"{DTYPES[c0.c.dtype]}: one call takes caches of one dtype "
+                             "(split the call by dtype)")
     return 0
 
 
 # -- the write path ---------------------------------------------------------------
 
 cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
-                      const float* kp, const float* vp) except -1:
+                      const void* k_src, const void* v_src, int src) except -1:
     """Append ``t`` rows to each of ``n`` claimed, open caches of one geometry
-    (``owners[i]`` is the KvCache of ``cs[i]``): rows ``i*t .. i*t+t-1`` of
-    ``kp``/``vp`` go to cache i; NULL sources append zeros. All or nothing:
-    every buffer and block any cache needs is obtained before a row is
-    written. The copies run in one loop, without the GIL when they pay."""
-    cdef Py_ssize_t i, kw = cs[0].kw, vw = cs[0].vw
-    cdef size_t kbytes = <size_t>(n * t * kw) * sizeof(float)
-    cdef size_t vbytes = <size_t>(n * t * vw) * sizeof(float)
-    cdef float* own = NULL
+    and dtype (``owners[i]`` is the KvCache of ``cs[i]``): rows ``i*t ..
+    i*t+t-1`` of ``k_src``/``v_src`` (values of ``src``: FX_F32 / FX_F16 /
+    FX_BF16) go to cache i, converted to its dtype; NULL sources append
+    zeros. All or nothing: every buffer and block any cache needs is
+    obtained before a row is written. The copies run in one loop, without
+    the GIL when they pay."""
+    cdef Py_ssize_t i
+    cdef size_t item = _src_size(src)
+    cdef size_t kw = <size_t>cs[0].kw * item, vw = <size_t>cs[0].vw * item   # bytes per row
+    cdef size_t kbytes = <size_t>(n * t) * kw
+    cdef size_t vbytes = <size_t>(n * t) * vw
+    cdef const char* kp = <const char*>k_src
+    cdef const char* vp = <const char*>v_src
+    cdef char* own = NULL
     if t == 0:
         return 0
     try:
@@ -90,13 +100,13 @@ cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
             for i in range(n):
                 if _aliases(cs[i], kp, kbytes) or _aliases(cs[i], vp, vbytes):
                     # the source is (or may be) the caches' own memory: copy it first
-                    own = <float*>malloc(kbytes + vbytes)
+                    own = <char*>malloc(kbytes + vbytes)
                     if own == NULL:
                         raise MemoryError()
                     memcpy(own, kp, kbytes)
-                    memcpy(own + n * t * kw, vp, vbytes)
+                    memcpy(own + kbytes, vp, vbytes)
                     kp = own
-                    vp = own + n * t * kw
+                    vp = own + kbytes
                     break
         for i in range(n):
             if cs[i].len + t > cs[i].cap or not _private_at(cs[i], cs[i].len):
@@ -106,11 +116,11 @@ cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
             with nogil:
                 for i in range(n):
                     cache_write(cs[i], cs[i].len, t, kp + i * t * kw if kp else NULL,
-                                vp + i * t * vw if vp else NULL)
+                                vp + i * t * vw if vp else NULL, src)
         else:
             for i in range(n):
                 cache_write(cs[i], cs[i].len, t, kp + i * t * kw if kp else NULL,
-                            vp + i * t * vw if vp else NULL)
+                            vp + i * t * vw if vp else NULL, src)
         for i in range(n):
             cs[i].len += t
     finally:
@@ -177,7 +187,7 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
             p = c.pool
             if p == NULL:
                 if need > c.cap:
-                    rows[i] = _rows_new(max(2 * c.cap, need, 4), c.kw, c.vw)
+                    rows[i] = _rows_new(max(2 * c.cap, need, 4), c)
                 continue
             bs = p.block_size
             if need > c.cap:
@@ -240,12 +250,12 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                 b = reqs[pool_of[i]].fresh[reqs[pool_of[i]].n_fresh]
                 reqs[pool_of[i]].n_fresh += 1
                 if lo * bs < c.len:    # the rows kept before the write position
-                    memcpy(p.k_arena + <size_t>b * p.k_block_floats,
-                           p.k_arena + <size_t>c.table[lo] * p.k_block_floats,
-                           <size_t>(c.len - lo * bs) * <size_t>c.kw * sizeof(float))
-                    memcpy(p.v_arena + <size_t>b * p.v_block_floats,
-                           p.v_arena + <size_t>c.table[lo] * p.v_block_floats,
-                           <size_t>(c.len - lo * bs) * <size_t>c.vw * sizeof(float))
+                    memcpy(p.k_arena + <size_t>b * p.k_block,
+                           p.k_arena + <size_t>c.table[lo] * p.k_block,
+                           <size_t>(c.len - lo * bs) * c.k_row)
+                    memcpy(p.v_arena + <size_t>b * p.v_block,
+                           p.v_arena + <size_t>c.table[lo] * p.v_block,
+                           <size_t>(c.len - lo * bs) * c.v_row)
                 old[at] = c.table[lo]
                 at += 1
                 c.table[lo] = b
@@ -274,7 +284,7 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
     return 0
 
 
-cdef int _append_rows(tuple cl, cnp.ndarray ka, cnp.ndarray va, bint per_t) except -1:
+cdef int _append_rows(tuple cl, cnp.ndarray ka, cnp.ndarray va, int src, bint per_t) except -1:
     """push_layers (``per_t`` false: one row per cache, inputs (n, ...)) and
     _extend_each (``per_t`` true: T rows per cache, inputs (n, T, ...))."""
     cdef Py_ssize_t n = len(cl), t = 1
@@ -297,8 +307,7 @@ cdef int _append_rows(tuple cl, cnp.ndarray ka, cnp.ndarray va, bint per_t) exce
             t = ka.shape[1]
             if va.shape[1] != t:
                 raise ValueError(f"k_steps has {t} positions but v_steps has {va.shape[1]}")
-        _append_each(cl, cs, n, t, <const float*>cnp.PyArray_DATA(ka),
-                     <const float*>cnp.PyArray_DATA(va))
+        _append_each(cl, cs, n, t, cnp.PyArray_DATA(ka), cnp.PyArray_DATA(va), src)
     finally:
         _release_all(cs, n)
     return 0
@@ -319,9 +328,8 @@ def push_layers(caches, k_steps, v_steps):
     in parallel.
     """
     cdef tuple cl = tuple(caches)          # a private sequence, before any user code
-    cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
-    cdef cnp.ndarray va = _f32(v_steps, "v_steps")
-    _append_rows(cl, ka, va, False)
+    ka, va, src = _rows_pair(k_steps, v_steps, "k_steps", "v_steps")
+    _append_rows(cl, ka, va, src, False)
 
 
 def _extend_each(caches, k_steps, v_steps):
@@ -330,9 +338,8 @@ def _extend_each(caches, k_steps, v_steps):
     ``(B, T, n_kv_heads * head_dim)``. All or nothing across the batch, as
     ``push_layers``. For ``ferrox_kv.hf``."""
     cdef tuple cl = tuple(caches)
-    cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
-    cdef cnp.ndarray va = _f32(v_steps, "v_steps")
-    _append_rows(cl, ka, va, True)
+    ka, va, src = _rows_pair(k_steps, v_steps, "k_steps", "v_steps")
+    _append_rows(cl, ka, va, src, True)
 
 
 # -- rows of one cache into another: reorders, forks ---------------------------------
@@ -383,7 +390,8 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
     one pools_update (shares, the targets' old blocks, fresh blocks), then
     the new tables and the tail rows."""
     cdef Pool* p = cs[0].pool
-    cdef Py_ssize_t bs = p.block_size, kw = cs[0].kw, vw = cs[0].vw
+    cdef Py_ssize_t bs = p.block_size
+    cdef size_t kw = cs[0].k_row, vw = cs[0].v_row       # stored bytes per row
     cdef Py_ssize_t i, s, full, tail, failed = 0
     cdef Py_ssize_t n_share = 0, n_drop = 0, n_fresh = 0, n_tail = 0
     cdef Py_ssize_t* n_new = NULL          # per target: blocks after the change
@@ -391,7 +399,7 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
     cdef int32_t* share = NULL
     cdef int32_t* drop = NULL
     cdef int32_t* fresh = NULL
-    cdef float* tails = NULL               # per target: source tail, K rows then V rows
+    cdef char* tails = NULL                # per target: source tail, K rows then V rows
     cdef BlockReq r
     cdef int rc
     cdef Cache* c
@@ -416,7 +424,7 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
         share = <int32_t*>malloc(<size_t>(n_share + 1) * sizeof(int32_t))
         drop = <int32_t*>malloc(<size_t>(n_drop + 1) * sizeof(int32_t))
         fresh = <int32_t*>malloc(<size_t>(n_fresh + 1) * sizeof(int32_t))
-        tails = <float*>malloc(<size_t>(n_tail * (kw + vw) + 1) * sizeof(float))
+        tails = <char*>malloc(<size_t>n_tail * (kw + vw) + 1)
         if share == NULL or drop == NULL or fresh == NULL or tails == NULL:
             raise MemoryError()
         n_share = n_drop = n_tail = 0
@@ -430,8 +438,8 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
             n_share += full
             memcpy(drop + n_drop, cs[i].table, <size_t>cs[i].n_blocks * sizeof(int32_t))
             n_drop += cs[i].n_blocks
-            cache_gather(cs[s], full * bs, tail, tails + n_tail * (kw + vw),
-                         tails + n_tail * (kw + vw) + tail * kw)
+            cache_gather(cs[s], full * bs, tail, tails + <size_t>n_tail * (kw + vw),
+                         tails + <size_t>n_tail * (kw + vw) + <size_t>tail * kw, False)
             n_tail += tail
         memset(&r, 0, sizeof(BlockReq))
         r.pool = p
@@ -468,8 +476,8 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
             c.n_blocks = n_new[i]
             c.cap = n_new[i] * bs
             c.shared_upto = full
-            cache_write(c, full * bs, tail, tails + n_tail * (kw + vw),
-                        tails + n_tail * (kw + vw) + tail * kw)
+            cache_write(c, full * bs, tail, tails + <size_t>n_tail * (kw + vw),
+                        tails + <size_t>n_tail * (kw + vw) + <size_t>tail * kw, SRC_STORED)
             n_tail += tail
             c.len = src_len[i]
     finally:
@@ -494,11 +502,11 @@ cdef int _assign_rows(tuple cl, Cache** cs, const Py_ssize_t* order, Py_ssize_t 
         if s == i:
             continue
         if s not in snap:
-            r = _rows_new(cs[s].len, cs[s].kw, cs[s].vw)
+            r = _rows_new(cs[s].len, cs[s])
             _gather_rows(cs[s], cs[s].len, r.k, r.v)
             snap[s] = (r, cs[s].len)
         if cs[i].cap < cs[s].len:
-            rows[i] = _rows_new(cs[s].len, cs[i].kw, cs[i].vw)
+            rows[i] = _rows_new(cs[s].len, cs[i])
     for i in range(n):                     # nothing below can fail
         s = order[i]
         if s == i:
@@ -507,6 +515,6 @@ cdef int _assign_rows(tuple cl, Cache** cs, const Py_ssize_t* order, Py_ssize_t 
         if rows[i] is not None:
             (<KvCache>cl[i])._set_rows(<_Rows>rows[i])
         cs[i].len = 0
-        cache_write(cs[i], 0, length, r.k, r.v)
+        cache_write(cs[i], 0, length, r.k, r.v, SRC_STORED)
         cs[i].len = length
     return 0

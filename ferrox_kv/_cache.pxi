@@ -17,34 +17,37 @@ cdef class _Rows:
         self.v = NULL
 
 
-cdef _Rows _rows_new(Py_ssize_t cap, Py_ssize_t kw, Py_ssize_t vw):
-    cdef size_t nbytes = _checked_bytes("capacity * row width", cap, kw + vw, 1)
+cdef _Rows _rows_new(Py_ssize_t cap, Cache* c):
+    """A buffer of ``cap`` rows of ``c``'s stored format."""
+    cdef size_t nbytes
+    if (fx_mul(<size_t>cap, c.k_row + c.v_row, &nbytes) or nbytes > _MAX_BYTES):
+        raise ValueError(f"capacity {cap} x {c.k_row + c.v_row} bytes overflows the byte count")
     cdef _Rows r = _Rows.__new__(_Rows)
-    r.k = <float*>malloc(nbytes)
+    r.k = <char*>malloc(nbytes if nbytes > 0 else 1)
     if r.k == NULL:
         raise MemoryError(f"cannot allocate {nbytes} bytes for {cap} KV rows")
     fx_advise_huge(r.k, nbytes)
-    r.v = r.k + <size_t>cap * <size_t>kw
+    r.v = r.k + <size_t>cap * c.k_row
     r.cap = cap
     return r
 
 
 # -- where rows live ------------------------------------------------------------
 
-cdef inline float* _k_row(Cache* c, Py_ssize_t r) noexcept nogil:
+cdef inline char* _k_row(Cache* c, Py_ssize_t r) noexcept nogil:
     cdef Pool* p = c.pool
     if p == NULL:
-        return c.k + <size_t>r * <size_t>c.kw
-    return (p.k_arena + <size_t>c.table[r // p.block_size] * p.k_block_floats
-            + <size_t>(r % p.block_size) * <size_t>c.kw)
+        return c.k + <size_t>r * c.k_row
+    return (p.k_arena + <size_t>c.table[r // p.block_size] * p.k_block
+            + <size_t>(r % p.block_size) * c.k_row)
 
 
-cdef inline float* _v_row(Cache* c, Py_ssize_t r) noexcept nogil:
+cdef inline char* _v_row(Cache* c, Py_ssize_t r) noexcept nogil:
     cdef Pool* p = c.pool
     if p == NULL:
-        return c.v + <size_t>r * <size_t>c.vw
-    return (p.v_arena + <size_t>c.table[r // p.block_size] * p.v_block_floats
-            + <size_t>(r % p.block_size) * <size_t>c.vw)
+        return c.v + <size_t>r * c.v_row
+    return (p.v_arena + <size_t>c.table[r // p.block_size] * p.v_block
+            + <size_t>(r % p.block_size) * c.v_row)
 
 
 cdef inline Py_ssize_t _run(Cache* c, Py_ssize_t r, Py_ssize_t end) noexcept nogil:
@@ -67,60 +70,91 @@ cdef inline bint _aliases(Cache* c, const void* src, size_t nbytes) noexcept nog
     buffer, or its pool's arenas (a source there is copied first)."""
     cdef Pool* p = c.pool
     if p == NULL:
-        return fx_overlap(src, nbytes, c.k, <size_t>c.cap * <size_t>(c.kw + c.vw) * sizeof(float))
-    return (fx_overlap(src, nbytes, p.k_arena, <size_t>p.total * p.k_block_floats * sizeof(float))
-            or fx_overlap(src, nbytes, p.v_arena,
-                          <size_t>p.total * p.v_block_floats * sizeof(float)))
+        return fx_overlap(src, nbytes, c.k, <size_t>c.cap * (c.k_row + c.v_row))
+    return (fx_overlap(src, nbytes, p.k_arena, <size_t>p.total * p.k_block)
+            or fx_overlap(src, nbytes, p.v_arena, <size_t>p.total * p.v_block))
+
+
+cdef inline void _write_run(Cache* c, char* dst, size_t dst_row, const void* src, int nh,
+                            int d, Py_ssize_t m, int kind) noexcept nogil:
+    """m rows of ``kind`` (FX_F32 / FX_F16 / FX_BF16 values, or SRC_STORED
+    rows of c's own format) into stored rows at ``dst``; NULL: zeros."""
+    cdef size_t w = <size_t>nh * <size_t>d
+    if src == NULL:
+        memset(dst, 0, <size_t>m * dst_row)
+    elif kind == SRC_STORED or (kind == c.dtype and kind != FX_I8):
+        memcpy(dst, src, <size_t>m * dst_row)
+    elif kind == FX_F32:
+        fx_rows_from_f32(dst, dst_row, <const float*>src, w, m, nh, d, c.dtype)
+    else:
+        fx_rows_from_half(dst, dst_row, <const uint16_t*>src, w, m, nh, d, kind, c.dtype)
+
+
+cdef inline size_t _src_row(Cache* c, Py_ssize_t w, size_t stored, int kind) noexcept nogil:
+    """Bytes between source rows of ``kind`` (``stored``: c's own row)."""
+    if kind == SRC_STORED:
+        return stored
+    return <size_t>w * (4 if kind == FX_F32 else 2)
 
 
 cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
-                      const float* k, const float* v) noexcept nogil:
-    """Copy ``n`` K and V rows (row-major) into positions start..start+n;
-    NULL sources write zeros. Sources never overlap the destination (callers
-    copy aliasing sources first)."""
+                      const void* k, const void* v, int src) noexcept nogil:
+    """Write ``n`` K and V rows (row-major, ``src``: FX_F32 / FX_F16 /
+    FX_BF16 values converted to the cache's dtype in the copy loop, or
+    SRC_STORED rows in its own format) into positions start..start+n; NULL
+    sources write zeros. Sources never overlap the destination (callers copy
+    aliasing sources first)."""
     cdef Py_ssize_t r = start, end = start + n, m
-    cdef size_t kb, vb
+    cdef size_t ks = _src_row(c, c.kw, c.k_row, src), vs = _src_row(c, c.vw, c.v_row, src)
     while r < end:
         m = _run(c, r, end)
-        kb = <size_t>m * <size_t>c.kw * sizeof(float)
-        vb = <size_t>m * <size_t>c.vw * sizeof(float)
+        _write_run(c, _k_row(c, r), c.k_row, k, c.nh, c.hd, m, src)
+        _write_run(c, _v_row(c, r), c.v_row, v, c.nh, c.vhd, m, src)
         if k != NULL:
-            memcpy(_k_row(c, r), k, kb)
-            memcpy(_v_row(c, r), v, vb)
-            k += <size_t>m * <size_t>c.kw
-            v += <size_t>m * <size_t>c.vw
-        else:
-            memset(_k_row(c, r), 0, kb)
-            memset(_v_row(c, r), 0, vb)
+            k = <const char*>k + <size_t>m * ks
+            v = <const char*>v + <size_t>m * vs
         r += m
 
 
 cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
-                       float* k_out, float* v_out) noexcept nogil:
-    """Copy positions start..start+n into contiguous K and V outputs.
-
+                       void* k_out, void* v_out, bint to_f32) noexcept nogil:
+    """Copy positions start..start+n into contiguous K and V outputs: the
+    stored rows as they are, or with ``to_f32`` their float32 values.
     Either output may be NULL to skip it."""
     cdef Py_ssize_t r = start, end = start + n, m
+    cdef char* ko = <char*>k_out
+    cdef char* vo = <char*>v_out
     while r < end:
         m = _run(c, r, end)
-        if k_out != NULL:
-            memcpy(k_out, _k_row(c, r), <size_t>m * <size_t>c.kw * sizeof(float))
-            k_out += <size_t>m * <size_t>c.kw
-        if v_out != NULL:
-            memcpy(v_out, _v_row(c, r), <size_t>m * <size_t>c.vw * sizeof(float))
-            v_out += <size_t>m * <size_t>c.vw
+        if ko != NULL:
+            if to_f32:
+                fx_rows_to_f32(<float*>ko, <size_t>c.kw, _k_row(c, r), c.k_row, m, c.nh, c.hd,
+                               c.dtype)
+                ko += <size_t>m * <size_t>c.kw * sizeof(float)
+            else:
+                memcpy(ko, _k_row(c, r), <size_t>m * c.k_row)
+                ko += <size_t>m * c.k_row
+        if vo != NULL:
+            if to_f32:
+                fx_rows_to_f32(<float*>vo, <size_t>c.vw, _v_row(c, r), c.v_row, m, c.nh, c.vhd,
+                               c.dtype)
+                vo += <size_t>m * <size_t>c.vw * sizeof(float)
+            else:
+                memcpy(vo, _v_row(c, r), <size_t>m * c.v_row)
+                vo += <size_t>m * c.v_row
         r += m
 
 
-cdef void _gather_rows(Cache* c, Py_ssize_t n, float* k_out, float* v_out) noexcept:
+cdef void _gather_rows(Cache* c, Py_ssize_t n, void* k_out, void* v_out,
+                       bint to_f32=False) noexcept:
     """The first n rows into contiguous outputs (either may be NULL), without
     the GIL when the bytes pay for it."""
-    cdef Py_ssize_t width = (c.kw if k_out != NULL else 0) + (c.vw if v_out != NULL else 0)
-    if _release_pays(n * width * <Py_ssize_t>sizeof(float)):
+    cdef size_t width = (c.k_row if k_out != NULL else 0) + (c.v_row if v_out != NULL else 0)
+    if _release_pays(n * <Py_ssize_t>width):
         with nogil:
-            cache_gather(c, 0, n, k_out, v_out)
+            cache_gather(c, 0, n, k_out, v_out, to_f32)
     else:
-        cache_gather(c, 0, n, k_out, v_out)
+        cache_gather(c, 0, n, k_out, v_out, to_f32)
 
 
 cdef void cache_detach(Cache* c) noexcept nogil:
@@ -185,6 +219,10 @@ cdef inline void _leave(KvCache self) noexcept:
 
 
 cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
+    if c.c.dtype != pool.p.dtype:
+        raise ValueError(f"dtype={DTYPES[c.c.dtype]!r} does not match the pool's dtype "
+                         f"{pool.dtype!r}: a pooled cache stores what its pool stores "
+                         "(leave dtype out to take the pool's)")
     if (c.n_kv_heads, c.head_dim, c.v_head_dim) != (
             pool.n_kv_heads, pool.head_dim, pool.v_head_dim):
         raise ValueError(
@@ -201,14 +239,17 @@ cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
 
 @cython.no_gc_clear
 cdef class KvCache:
-    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None)
+    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32")
 --
 
 K and V rows of one sequence in one layer.
 
     ``KvCache(n_kv_heads, head_dim)`` starts empty and grows geometrically; ``KvCache.with_capacity`` pre-allocates a plan;
     ``KvCache.with_pool`` draws fixed-size blocks from a shared
-    ``KvBlockPool``, reserving its worst case up front.
+    ``KvBlockPool``, reserving its worst case up front. ``dtype`` is the
+    storage: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or
+    ``"int8"`` (README, "Precision"); input rows are converted to it inside
+    the copy loop.
 
     A cache is not meant to be used from two threads at once: a method call
     that finds another call on the same cache in progress raises
@@ -230,14 +271,15 @@ K and V rows of one sequence in one layer.
                 "max_seq_len=...) (rows pre-allocated) or KvCache.with_pool; "
                 "v_head_dim is keyword-only (v_head_dim=...)")
 
-    def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None):
+    def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None,
+                 dtype="float32"):
         _require(type(self).__name__, ("n_kv_heads", "head_dim"), (n_kv_heads, head_dim))
         if not fx_try_claim(&self.c.busy):
             raise RuntimeError(_BUSY)
         try:
             if self.c.state != STATE_NEW:
                 raise ValueError("KvCache.__init__ called on a cache that is already set up")
-            self._set_geometry(n_kv_heads, head_dim, v_head_dim)
+            self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype)
         finally:
             _leave(self)
 
@@ -245,17 +287,26 @@ K and V rows of one sequence in one layer.
         # Only C state: give the blocks back (exactly once) and drop the pool.
         cache_detach(&self.c)
 
-    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim) except -1:
+    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim, dtype) except -1:
         cdef Py_ssize_t h = _count(n_kv_heads, "n_kv_heads", 1)
         cdef Py_ssize_t d = _count(head_dim, "head_dim", 1)
         cdef Py_ssize_t vd = d if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
+        cdef int code = _dtype_code(dtype, "dtype")
         _checked_bytes("n_kv_heads * head_dim", h, d, 1)
         _checked_bytes("n_kv_heads * v_head_dim", h, vd, 1)
+        if h > INT32_MAX or d > INT32_MAX or vd > INT32_MAX:
+            raise ValueError("n_kv_heads, head_dim and v_head_dim must be < 2**31")
         self.n_kv_heads = h
         self.head_dim = d
         self.v_head_dim = vd
         self.c.kw = h * d
         self.c.vw = h * vd
+        self.c.nh = <int>h
+        self.c.hd = <int>d
+        self.c.vhd = <int>vd
+        self.c.dtype = code
+        self.c.k_row = _row_bytes(h, d, code)
+        self.c.v_row = _row_bytes(h, vd, code)
         self.c.state = STATE_OPEN
         return 0
 
@@ -265,30 +316,37 @@ K and V rows of one sequence in one layer.
         self.v_head_dim = other.v_head_dim
         self.c.kw = other.c.kw
         self.c.vw = other.c.vw
+        self.c.nh = other.c.nh
+        self.c.hd = other.c.hd
+        self.c.vhd = other.c.vhd
+        self.c.dtype = other.c.dtype
+        self.c.k_row = other.c.k_row
+        self.c.v_row = other.c.v_row
         self.c.state = STATE_OPEN
 
     # -- constructors -------------------------------------------------------
 
     @staticmethod
-    def with_capacity(n_kv_heads, head_dim, max_seq_len, *, v_head_dim=None):
+    def with_capacity(n_kv_heads, head_dim, max_seq_len, *, v_head_dim=None, dtype="float32"):
         """A cache with ``max_seq_len`` rows pre-allocated: pushes within the
         plan never reallocate. Pushing past the plan still works (it grows)."""
         cdef KvCache self = KvCache.__new__(KvCache)
-        self._set_geometry(n_kv_heads, head_dim, v_head_dim)
+        self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype)
         cdef Py_ssize_t plan = _count(max_seq_len, "max_seq_len", 0)
-        self._set_rows(_rows_new(plan, self.c.kw, self.c.vw))
+        self._set_rows(_rows_new(plan, &self.c))
         self.c.plan = plan
         return self
 
     @staticmethod
     def with_pool(n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
-                  *, v_head_dim=None, tokens=None, salt=None):
+                  *, v_head_dim=None, tokens=None, salt=None, dtype=None):
         """A cache whose rows live in ``pool``'s blocks.
 
         Takes ``max(1, ceil(max_seq_len / block_size))`` blocks up front, all or
         nothing; raises ``KvPoolExhausted`` leaving the pool untouched when it
-        cannot. Geometry must match the pool's (``ValueError`` otherwise).
-        Pushing past the reservation takes one more block per ``block_size``
+        cannot. Geometry must match the pool's (``ValueError`` otherwise);
+        the cache stores the pool's dtype (a ``dtype=`` that names another
+        is a ``ValueError``). Pushing past the reservation takes one more block per ``block_size``
         positions (and can then raise ``KvPoolExhausted``).
 
         With ``tokens`` (the request's token ids; a pool with
@@ -300,7 +358,7 @@ K and V rows of one sequence in one layer.
         with the blocks, never trusted to a hash.
         """
         return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
-                           tokens, salt)[0]
+                           tokens, salt, dtype)[0]
 
     def _blank(self, Py_ssize_t count):
         """``count`` empty caches like this one, to be filled by ``_assign``:
@@ -321,7 +379,7 @@ K and V rows of one sequence in one layer.
                     cc = &c.c
                     pool_link(self.c.pool, &cc, 1)
                 elif self.c.plan >= 0:
-                    c._set_rows(_rows_new(self.c.plan, c.c.kw, c.c.vw))
+                    c._set_rows(_rows_new(self.c.plan, &c.c))
                     c.c.plan = self.c.plan
                 out.append(c)
         finally:
@@ -330,7 +388,7 @@ K and V rows of one sequence in one layer.
 
     @staticmethod
     def with_pool_many(count, n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
-                       *, v_head_dim=None, tokens=None, salt=None):
+                       *, v_head_dim=None, tokens=None, salt=None, dtype=None):
         """``count`` pooled caches (e.g. every layer of a sequence, or every
         layer of every sequence of a batch), reserved at once.
 
@@ -342,7 +400,7 @@ K and V rows of one sequence in one layer.
         """
         cdef Py_ssize_t n = _count(count, "count", 0)
         return _new_pooled(n, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
-                           tokens, salt)
+                           tokens, salt, dtype)
 
     # -- read-only state (answers in every state) ---------------------------
 
@@ -353,6 +411,12 @@ K and V rows of one sequence in one layer.
 
     def __len__(self):
         return self.c.len
+
+    @property
+    def dtype(self):
+        """The storage dtype, as a name: ``"float32"``, ``"float16"``,
+        ``"bfloat16"`` or ``"int8"`` (what ``dtype=`` takes back)."""
+        return DTYPES[self.c.dtype]
 
     @property
     def closed(self):
@@ -388,27 +452,31 @@ K and V rows of one sequence in one layer.
             _leave(self)
 
     cdef object _rows_view(self, bint want_v):
-        """(seq_len, n_kv_heads, dim) array of K or V: a read-only view of the
-        contiguous buffer, or a gathered copy when pooled. Cache claimed."""
+        """(seq_len, n_kv_heads, dim) array of K or V: float32 and float16
+        caches give a read-only view of the contiguous buffer, or a gathered
+        copy when pooled; bfloat16 and int8 caches a float32 copy of the
+        values (dequantised). Cache claimed."""
         cdef cnp.npy_intp dims[3]
         cdef Py_ssize_t n = self.c.len
-        cdef float* data
+        cdef void* data
         cdef cnp.ndarray arr
+        cdef bint values = self.c.dtype == FX_BF16 or self.c.dtype == FX_I8
+        cdef int typ = cnp.NPY_FLOAT16 if self.c.dtype == FX_F16 else cnp.NPY_FLOAT32
         if self.c.state == STATE_NEW:
             raise ValueError(_NEW)
         dims[0] = n
         dims[1] = self.n_kv_heads
         dims[2] = self.v_head_dim if want_v else self.head_dim
-        if self.c.pool != NULL:
-            arr = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
-            data = <float*>cnp.PyArray_DATA(arr)
-            _gather_rows(&self.c, n, NULL if want_v else data, data if want_v else NULL)
+        if self.c.pool != NULL or (values and self.rows is not None):
+            arr = cnp.PyArray_EMPTY(3, dims, typ, 0)
+            data = cnp.PyArray_DATA(arr)
+            _gather_rows(&self.c, n, NULL if want_v else data, data if want_v else NULL, values)
             return arr
         if self.rows is None:
-            arr = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
+            arr = cnp.PyArray_EMPTY(3, dims, typ, 0)
             cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
             return arr
-        arr = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_FLOAT32,
+        arr = cnp.PyArray_SimpleNewFromData(3, dims, typ,
                                             self.rows.v if want_v else self.rows.k)
         cnp.set_array_base(arr, self.rows)     # the view keeps its buffer alive
         cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
@@ -432,21 +500,24 @@ K and V rows of one sequence in one layer.
             v = self._rows_view(True)
         finally:
             _leave(self)
-        if self.c.pool == NULL:
+        if self.c.pool == NULL and (self.c.dtype == FX_F32 or self.c.dtype == FX_F16):
             cnp.PyArray_ENABLEFLAGS(<cnp.ndarray>k, cnp.NPY_ARRAY_WRITEABLE)
             cnp.PyArray_ENABLEFLAGS(<cnp.ndarray>v, cnp.NPY_ARRAY_WRITEABLE)
         return k, v
 
     @property
     def k(self):
-        """K rows, shape ``(seq_len, n_kv_heads, head_dim)``, float32.
+        """K rows, shape ``(seq_len, n_kv_heads, head_dim)``: float32 for
+        float32, bfloat16 and int8 caches, float16 for float16 caches.
 
-        Contiguous caches: a read-only zero-copy view that keeps its buffer
-        alive; if the cache later grows into a new buffer the view goes on
-        showing the old one, and rows rewritten in place after a ``truncate``
-        show through. Pooled caches: a fresh contiguous copy gathered from the
-        blocks (GIL released for large gathers); attention should read the
-        blocks in place with ``attend`` instead. Closed caches: empty.
+        Contiguous float32 / float16 caches: a read-only zero-copy view that
+        keeps its buffer alive; if the cache later grows into a new buffer the
+        view goes on showing the old one, and rows rewritten in place after a
+        ``truncate`` show through. Pooled caches: a fresh contiguous copy
+        gathered from the blocks (GIL released for large gathers); attention
+        should read the blocks in place with ``attend`` instead. bfloat16 and
+        int8 caches (numpy has no bfloat16; int8 rows carry scales): a fresh
+        float32 copy of the values, dequantised. Closed caches: empty.
         """
         return self._claimed_view(False)
 
@@ -469,30 +540,39 @@ K and V rows of one sequence in one layer.
         ``k_step`` holds ``n_kv_heads * head_dim`` numbers, flat or shaped
         ``(n_kv_heads, head_dim)``; ``v_step`` likewise with ``v_head_dim``.
         C-contiguous native float32 ndarrays are copied straight in (no
-        conversion, no temporary); other array-likes are converted first.
+        conversion, no temporary), float16 ndarrays and torch float16 /
+        bfloat16 CPU tensors are read in place (a straight copy into a cache
+        of their dtype), each converted to the cache's dtype inside the copy
+        loop; other array-likes are converted to float32 first.
         Wrong size or shape: ``ValueError``; a full pooled cache takes one more
         block, or raises ``KvPoolExhausted``. Either way nothing is appended.
         """
-        cdef cnp.ndarray ka = _f32(k_step, "k_step")
-        cdef cnp.ndarray va = _f32(v_step, "v_step")
+        cdef cnp.ndarray ka
+        cdef cnp.ndarray va
+        cdef int src = FX_F32
+        if _is_f32(k_step) and _is_f32(v_step):      # the fast path: no conversion
+            ka = <cnp.ndarray>k_step
+            va = <cnp.ndarray>v_step
+        else:
+            ka, va, src = _rows_pair(k_step, v_step, "k_step", "v_step")
         cdef Cache* c = &self.c
-        cdef const float* kp = <const float*>cnp.PyArray_DATA(ka)
-        cdef const float* vp = <const float*>cnp.PyArray_DATA(va)
+        cdef const char* kp = <const char*>cnp.PyArray_DATA(ka)
+        cdef const char* vp = <const char*>cnp.PyArray_DATA(va)
         cdef size_t kb, vb
         _enter(self)
         try:
             _check_rows(ka, 0, self.n_kv_heads, self.head_dim, "k_step", "")
             _check_rows(va, 0, self.n_kv_heads, self.v_head_dim, "v_step", "")
-            kb = <size_t>c.kw * sizeof(float)
-            vb = <size_t>c.vw * sizeof(float)
-            if (c.len < c.cap and _private_at(c, c.len)
+            kb = <size_t>c.kw * <size_t>_src_size(src)
+            vb = <size_t>c.vw * <size_t>_src_size(src)
+            if (src == FX_F32 and c.dtype == FX_F32 and c.len < c.cap and _private_at(c, c.len)
                     and not _release_pays(<Py_ssize_t>(kb + vb))
                     and not _aliases(c, kp, kb) and not _aliases(c, vp, vb)):
                 memcpy(_k_row(c, c.len), kp, kb)       # the hot path: two memcpys
                 memcpy(_v_row(c, c.len), vp, vb)
                 c.len += 1
             else:
-                _append_each((self,), &c, 1, 1, kp, vp)
+                _append_each((self,), &c, 1, 1, kp, vp, src)
         finally:
             _leave(self)
 
@@ -500,13 +580,16 @@ K and V rows of one sequence in one layer.
         """Append T positions at once (prefill, a batch of drafts).
 
         Shapes ``(T, n_kv_heads, head_dim)`` or ``(T, n_kv_heads * head_dim)``
-        (and ``v_head_dim`` for V). All or nothing: every block needed is
-        taken before anything is copied; the copy runs without the GIL when
-        large. Mismatched T, wrong shape: ``ValueError``; too few free blocks:
-        ``KvPoolExhausted``. Nothing is appended when it raises.
+        (and ``v_head_dim`` for V). Inputs as for ``push``. All or nothing:
+        every block needed is taken before anything is copied; the copy (and
+        the conversion to the cache's dtype) runs without the GIL when
+        large. Mismatched T, wrong shape: ``ValueError``; too few free
+        blocks: ``KvPoolExhausted``. Nothing is appended when it raises.
         """
-        cdef cnp.ndarray ka = _f32(k_steps, "k_steps")
-        cdef cnp.ndarray va = _f32(v_steps, "v_steps")
+        cdef cnp.ndarray ka
+        cdef cnp.ndarray va
+        cdef int src
+        ka, va, src = _rows_pair(k_steps, v_steps, "k_steps", "v_steps")
         cdef Cache* c = &self.c
         cdef Py_ssize_t t, tv
         _enter(self)
@@ -515,8 +598,7 @@ K and V rows of one sequence in one layer.
             tv = _check_rows(va, 1, self.n_kv_heads, self.v_head_dim, "v_steps", "T, ")
             if t != tv:
                 raise ValueError(f"k_steps has {t} positions but v_steps has {tv}")
-            _append_each((self,), &c, 1, t, <const float*>cnp.PyArray_DATA(ka),
-                         <const float*>cnp.PyArray_DATA(va))
+            _append_each((self,), &c, 1, t, cnp.PyArray_DATA(ka), cnp.PyArray_DATA(va), src)
         finally:
             _leave(self)
 
@@ -526,7 +608,7 @@ K and V rows of one sequence in one layer.
         cdef Cache* c = &self.c
         _enter(self)
         try:
-            _append_each((self,), &c, 1, count, NULL, NULL)
+            _append_each((self,), &c, 1, count, NULL, NULL, FX_F32)
         finally:
             _leave(self)
 
@@ -593,7 +675,7 @@ K and V rows of one sequence in one layer.
         try:
             if self.c.pool == NULL:
                 return
-            r = _rows_new(self.c.cap, self.c.kw, self.c.vw)
+            r = _rows_new(self.c.cap, &self.c)
             _gather_rows(&self.c, self.c.len, r.k, r.v)
             cache_detach(&self.c)
             self._set_rows(r)
@@ -636,7 +718,7 @@ K and V rows of one sequence in one layer.
         ``blocks_held * pool.block_bytes``."""
         _enter(self)
         _leave(self)
-        return self.c.cap * (self.c.kw + self.c.vw) * <Py_ssize_t>sizeof(float)
+        return self.c.cap * <Py_ssize_t>(self.c.k_row + self.c.v_row)
 
     def is_within_planned_capacity(self):
         """True only for a ``with_capacity`` cache (or its copy) whose
@@ -660,7 +742,7 @@ K and V rows of one sequence in one layer.
             out._copy_geometry(self)
             out.c.plan = self.c.plan
             if self.c.len:
-                r = _rows_new(self.c.len, self.c.kw, self.c.vw)
+                r = _rows_new(self.c.len, &self.c)
                 _gather_rows(&self.c, self.c.len, r.k, r.v)
                 out._set_rows(r)
             out.c.len = self.c.len
@@ -708,7 +790,7 @@ K and V rows of one sequence in one layer.
                     f"{'closed' if self.c.state == STATE_CLOSED else 'never initialised'})")
         kind = "pooled" if self.c.pool != NULL else "contiguous"
         return (f"KvCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-                f"v_head_dim={self.v_head_dim}, seq_len={self.c.len}, {kind}, "
+                f"v_head_dim={self.v_head_dim}, dtype={self.dtype!r}, seq_len={self.c.len}, {kind}, "
                 f"capacity={self.c.cap}, blocks_held={self.c.n_blocks})")
 
 
@@ -748,14 +830,15 @@ cdef object _token_ids(object tokens, str name):
 
 
 cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
-                      KvBlockPool pool, max_seq_len, tokens=None, salt=None):
+                      KvBlockPool pool, max_seq_len, tokens=None, salt=None, dtype=None):
     """``count`` pooled caches of one geometry (one sequence's layers), each
     reserving max(1, ceil(max_seq_len / block_size)) blocks, in one
     acquisition. With ``tokens``, the longest published prefix of them (whole
     blocks, at most len(tokens) - 1 positions, this salt and layer count) is
     shared instead of reserved anew, and the caches start holding it."""
     cdef KvCache proto = KvCache.__new__(KvCache)
-    proto._set_geometry(n_kv_heads, head_dim, v_head_dim)
+    proto._set_geometry(n_kv_heads, head_dim, v_head_dim,
+                        pool.dtype if dtype is None else dtype)
     cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
     _check_pool_geometry(proto, pool)
     cdef Pool* p = pool.p

@@ -43,6 +43,12 @@ cdef extern from "_fx.h" nogil:
                            Py_ssize_t n_rows, int n_heads, int head_dim, int src_dtype, int dtype)
 
 
+# A source of rows for cache_write besides FX_F32 / FX_F16 / FX_BF16 values:
+# rows already in the cache's own stored format (its row bytes apart).
+cdef enum:
+    SRC_STORED = -1
+
+
 # Who holds a block: caches share and give back only blocks caches took, and
 # KvBlockPool.free only what KvBlockPool.allocate handed out.
 cdef enum:
@@ -93,12 +99,18 @@ ctypedef struct Pool:
     long refcnt               # the KvBlockPool object + every cache holding blocks
     Py_ssize_t block_size
     Py_ssize_t total
-    Py_ssize_t kw             # K row width in floats (n_kv_heads * head_dim)
-    Py_ssize_t vw             # V row width in floats
-    size_t k_block_floats     # block_size * kw
-    size_t v_block_floats
-    float* k_arena
-    float* v_arena
+    Py_ssize_t kw             # K values per row (n_kv_heads * head_dim)
+    Py_ssize_t vw             # V values per row
+    int dtype                 # FX_*, K and V alike
+    int nh                    # n_kv_heads
+    int hd                    # head_dim
+    int vhd                   # v_head_dim
+    size_t k_row              # bytes of one stored K row (scales included)
+    size_t v_row
+    size_t k_block            # bytes of one block's K rows (block_size * k_row)
+    size_t v_block
+    char* k_arena
+    char* v_arena
     int32_t* free_stack       # ids given back, top at n_stack - 1
     Py_ssize_t n_stack
     Py_ssize_t next_fresh     # ids >= next_fresh were never handed out
@@ -140,12 +152,18 @@ cdef enum:
 
 
 ctypedef struct Cache:
-    Py_ssize_t kw             # K row width in floats
-    Py_ssize_t vw             # V row width in floats
+    Py_ssize_t kw             # K values per row
+    Py_ssize_t vw             # V values per row
+    int dtype                 # FX_*, K and V alike
+    int nh                    # n_kv_heads
+    int hd                    # head_dim
+    int vhd                   # v_head_dim
+    size_t k_row              # bytes of one stored K row (scales included)
+    size_t v_row
     Py_ssize_t len            # positions stored
     Py_ssize_t cap            # rows that fit without growing / new blocks
-    float* k                  # contiguous storage (NULL when pooled)
-    float* v
+    char* k                   # contiguous storage (NULL when pooled)
+    char* v
     Pool* pool                # NULL unless pooled (then one reference held)
     int32_t* table            # block ids, in position order (pooled only)
     Py_ssize_t n_blocks
@@ -158,8 +176,8 @@ ctypedef struct Cache:
     void* pool_next
 
 
-cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
-                    Py_ssize_t vw, bint prefix_cache) noexcept nogil
+cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int vhd,
+                    int dtype, bint prefix_cache) noexcept nogil
 cdef void pool_incref(Pool* p) noexcept nogil
 cdef void pool_decref(Pool* p) noexcept nogil
 cdef Py_ssize_t pool_free_count(Pool* p) noexcept nogil
@@ -168,9 +186,9 @@ cdef int pools_update(BlockReq* reqs, Py_ssize_t n, Py_ssize_t* failed) noexcept
 cdef int pool_drop(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil
 
 cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
-                 const float* k, const float* v) noexcept nogil
+                      const void* k, const void* v, int src) noexcept nogil
 cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
-                  float* k_out, float* v_out) noexcept nogil
+                       void* k_out, void* v_out, bint to_f32) noexcept nogil
 cdef void cache_detach(Cache* c) noexcept nogil
 cdef void pool_link(Pool* p, Cache** cs, Py_ssize_t n) noexcept nogil
 cdef int pool_check(Pool* p, Py_ssize_t* where) noexcept nogil
@@ -183,14 +201,14 @@ cdef class KvBlockPool:
     cdef readonly Py_ssize_t head_dim
     cdef readonly Py_ssize_t v_head_dim
     cdef dict _salts          # salt -> id, for the prefix cache
-    cdef cnp.ndarray _arena_view(self, float* base, Py_ssize_t width_last)
+    cdef object _arena_view(self, char* base, Py_ssize_t dim, size_t row, bint scales)
     cdef int32_t _salt_id(self, salt) except -1
 
 
 @cython.final
 cdef class _Rows:
-    cdef float* k
-    cdef float* v
+    cdef char* k
+    cdef char* v
     cdef Py_ssize_t cap
 
 
@@ -200,7 +218,7 @@ cdef class KvCache:
     cdef readonly Py_ssize_t n_kv_heads
     cdef readonly Py_ssize_t head_dim
     cdef readonly Py_ssize_t v_head_dim
-    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim) except -1
+    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim, dtype) except -1
     cdef void _copy_geometry(self, KvCache other) noexcept
     cdef void _set_rows(self, _Rows r) noexcept
     cdef object _rows_view(self, bint want_v)

@@ -40,7 +40,7 @@ Locking rules (see the README's "Thread safety"):
 """
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint64_t, INT32_MAX
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t, INT32_MAX
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcmp, memcpy, memset
 
@@ -182,6 +182,10 @@ cdef size_t _checked_bytes(str what, Py_ssize_t a, Py_ssize_t b,
     return out if out > 0 else 1
 
 
+cdef str _ACCEPTED_TORCH = ("ferrox_kv reads CPU tensors of dtype float32, float16 or "
+                           "bfloat16")
+
+
 cdef object _as_f32(object x, str name):
     """Convert an array-like to a C-contiguous float32 ndarray of the same
     shape (0-d stays 0-d), or TypeError naming the argument."""
@@ -191,8 +195,8 @@ cdef object _as_f32(object x, str name):
         dev = str(getattr(x, "device", "cpu"))
         if dt != "torch.float32" or not dev.startswith("cpu"):
             raise TypeError(
-                f"{name} is a torch tensor of dtype {dt} on {dev}; ferrox_kv stores "
-                f"float32 on the CPU: pass {name}.to('cpu', torch.float32)")
+                f"{name} is a torch tensor of dtype {dt} on {dev}; {_ACCEPTED_TORCH} "
+                f"(here: float32): pass {name}.to('cpu', torch.float32)")
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -228,15 +232,136 @@ cdef int _check_within_buffer(object arr, str name) except -1:
     return 0
 
 
-cdef inline cnp.ndarray _f32(object x, str name):
-    """``x`` itself when it is a C-contiguous native float32 ndarray (the fast
-    path: no conversion, no temporary), else a converted copy."""
-    if (cnp.PyArray_Check(x)
+cdef inline bint _is_f32(object x) noexcept:
+    """Whether ``x`` is a C-contiguous native float32 ndarray (the fast path:
+    no conversion, no temporary)."""
+    return (cnp.PyArray_Check(x)
             and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT32
             and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>x)
-            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x)):
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x))
+
+
+cdef inline cnp.ndarray _f32(object x, str name):
+    """``x`` itself when it is a C-contiguous native float32 ndarray, else a
+    converted copy."""
+    if _is_f32(x):
         return <cnp.ndarray>x
     return _as_f32(x, name)
+
+
+# -- storage dtypes ------------------------------------------------------------
+
+DTYPES = ("float32", "float16", "bfloat16", "int8")   # by FX_* code
+
+
+cdef int _dtype_code(object dtype, str name) except -1:
+    """The FX_* code of a dtype given as a name ("float32", "float16",
+    "bfloat16", "int8"), a numpy dtype or scalar type (np.float32,
+    np.float16, np.int8), or a torch dtype (torch.bfloat16, matched by name:
+    the core does not import torch). Unknown: ValueError; not a dtype at
+    all: TypeError."""
+    if isinstance(dtype, str):
+        key = dtype
+    else:
+        mod = type(dtype).__module__
+        if mod == "torch" or mod.startswith("torch."):
+            key = str(dtype)[6:] if str(dtype).startswith("torch.") else str(dtype)
+        else:
+            try:
+                key = np.dtype(dtype).name if dtype is not None else None
+            except Exception:          # numpy's own errors for what is no dtype
+                key = None
+            if key is None:
+                raise TypeError(f"{name} must be one of {', '.join(map(repr, DTYPES))} (or a "
+                                f"numpy / torch dtype of those), got {type(dtype).__name__}")
+    try:
+        return DTYPES.index(key)
+    except ValueError:
+        raise ValueError(f"{name}={dtype!r} is not a storage dtype ferrox_kv has; accepted: "
+                         f"{', '.join(map(repr, DTYPES))} (numpy's float32 / float16 / int8, "
+                         "torch's float32 / float16 / bfloat16 / int8 alike)") from None
+
+
+cdef inline size_t _row_bytes(Py_ssize_t h, Py_ssize_t d, int dtype) noexcept nogil:
+    """Bytes of one stored row of h heads of d values (h, d < 2**31): the
+    storage contract's fx_row_bytes (int8 rows carry one float16 scale per
+    32 values of each head after the values)."""
+    return fx_row_bytes(<int>h, <int>d, dtype)
+
+
+cdef inline int _src_size(int src) noexcept:
+    """Bytes per value of an FX_F32 / FX_F16 / FX_BF16 source."""
+    return 4 if src == FX_F32 else 2
+
+
+cdef object _torch_half(object x, str name):
+    """A torch CPU tensor of dtype float16 / bfloat16 as a uint16 ndarray
+    over its own memory (read in place: numpy has no bfloat16); the array
+    keeps the tensor alive. float32 CPU tensors go through ``__array__``;
+    anything else is a TypeError that says what is accepted."""
+    dt = str(getattr(x, "dtype", ""))
+    dev = str(getattr(x, "device", "cpu"))
+    if dt not in ("torch.float16", "torch.bfloat16") or not dev.startswith("cpu"):
+        raise TypeError(f"{name} is a torch tensor of dtype {dt} on {dev}; {_ACCEPTED_TORCH}: "
+                        f"pass {name}.to('cpu', torch.float32) (or float16 / bfloat16)")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    cdef int nd = x.dim(), i
+    cdef cnp.npy_intp dims[32]
+    if nd > 32:
+        raise ValueError(f"{name} has {nd} dimensions")
+    for i in range(nd):
+        dims[i] = <cnp.npy_intp>x.shape[i]
+    cdef size_t ptr = <size_t>x.data_ptr()
+    cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, cnp.NPY_UINT16, <void*>ptr)
+    cnp.set_array_base(arr, x)
+    cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+    return arr
+
+
+cdef tuple _rows_in(object x, str name):
+    """(array, source code) of row input: a C-contiguous float32 ndarray as
+    it is (FX_F32, the fast path), a float16 ndarray as it is (FX_F16), a
+    torch float16 / bfloat16 CPU tensor read in place (FX_F16 / FX_BF16),
+    anything else converted to float32."""
+    if cnp.PyArray_Check(x):
+        if _is_f32(x):
+            return x, FX_F32
+        if (cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT16
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x)):
+            _check_within_buffer(x, name)
+            return np.ascontiguousarray(x), FX_F16
+        return _as_f32(x, name), FX_F32
+    mod = type(x).__module__
+    if mod == "torch" or mod.startswith("torch."):
+        dt = str(getattr(x, "dtype", ""))
+        if dt == "torch.float16":
+            return _torch_half(x, name), FX_F16
+        if dt == "torch.bfloat16":
+            return _torch_half(x, name), FX_BF16
+    return _as_f32(x, name), FX_F32
+
+
+cdef tuple _rows_pair(object k, object v, str kname, str vname):
+    """k and v as ``_rows_in`` gives them, with one source code for both
+    (float32 when they differ)."""
+    ka, ks = _rows_in(k, kname)
+    va, vs = _rows_in(v, vname)
+    if ks != vs:
+        ka = _half_to_f32(ka, ks)
+        va = _half_to_f32(va, vs)
+        ks = FX_F32
+    return ka, va, ks
+
+
+cdef object _half_to_f32(cnp.ndarray a, int src):
+    """A half source of ``_rows_in`` (float16 values, or uint16 bits of
+    float16 / bfloat16) as float32 values (exact); float32 as it is."""
+    if src == FX_F32:
+        return a
+    if src == FX_BF16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.view(np.float16).astype(np.float32)
 
 
 cdef str _shape(cnp.ndarray a):

@@ -18,8 +18,8 @@ cdef extern from "<pthread.h>" nogil:
 cdef Pool* _registry_head = NULL
 
 
-cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
-                    Py_ssize_t vw, bint prefix_cache) noexcept nogil:
+cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int vhd,
+                    int dtype, bint prefix_cache) noexcept nogil:
     """Allocate a pool; NULL when memory is short. Sizes are pre-validated.
 
     Creation is O(1) in resident memory: the arenas and per-block arrays are
@@ -27,8 +27,7 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
     (the free list is written only as blocks come back)."""
     global _registry_head
     cdef Pool* p = <Pool*>calloc(1, sizeof(Pool))
-    cdef size_t n_k = <size_t>total * <size_t>block_size * <size_t>kw
-    cdef size_t n_v = <size_t>total * <size_t>block_size * <size_t>vw
+    cdef size_t n_k, n_v
     cdef size_t nb = <size_t>total if total > 0 else 1
     cdef Pool* prev
     cdef Pool* cur
@@ -36,12 +35,20 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
         return NULL
     p.block_size = block_size
     p.total = total
-    p.kw = kw
-    p.vw = vw
-    p.k_block_floats = <size_t>block_size * <size_t>kw
-    p.v_block_floats = <size_t>block_size * <size_t>vw
-    p.k_arena = <float*>calloc(n_k if n_k > 0 else 1, sizeof(float))
-    p.v_arena = <float*>calloc(n_v if n_v > 0 else 1, sizeof(float))
+    p.kw = <Py_ssize_t>nh * hd
+    p.vw = <Py_ssize_t>nh * vhd
+    p.dtype = dtype
+    p.nh = nh
+    p.hd = hd
+    p.vhd = vhd
+    p.k_row = _row_bytes(nh, hd, dtype)
+    p.v_row = _row_bytes(nh, vhd, dtype)
+    p.k_block = <size_t>block_size * p.k_row
+    p.v_block = <size_t>block_size * p.v_row
+    n_k = <size_t>total * p.k_block
+    n_v = <size_t>total * p.v_block
+    p.k_arena = <char*>calloc(n_k if n_k > 0 else 1, 1)
+    p.v_arena = <char*>calloc(n_v if n_v > 0 else 1, 1)
     p.free_stack = <int32_t*>malloc(nb * sizeof(int32_t))
     p.refs = <int32_t*>calloc(nb, sizeof(int32_t))
     p.owner = <unsigned char*>calloc(nb, 1)
@@ -53,8 +60,8 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, Py_ssize_t kw,
             or (prefix_cache and p.prefix == NULL)):
         _pool_free_memory(p)
         return NULL
-    fx_advise_huge(p.k_arena, n_k * sizeof(float))
-    fx_advise_huge(p.v_arena, n_v * sizeof(float))
+    fx_advise_huge(p.k_arena, n_k)
+    fx_advise_huge(p.v_arena, n_v)
     pthread_mutex_init(&p.lock, NULL)
     p.refcnt = 1
     # the registry stays in address order: the order pools are locked in
@@ -523,14 +530,17 @@ _CHECK_MESSAGES = {
 
 @cython.final
 cdef class KvBlockPool:
-    """KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None, prefix_cache=False)
+    """KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None, prefix_cache=False, dtype="float32")
 --
 
 A bounded pool of fixed-size KV blocks shared by every cache of a process.
 
     A block holds ``block_size`` positions of one layer's K rows
-    (``n_kv_heads * head_dim`` float32 each) and V rows
-    (``n_kv_heads * v_head_dim``). The pool owns one K arena and one V arena of
+    (``n_kv_heads * head_dim`` values each) and V rows
+    (``n_kv_heads * v_head_dim``), stored as ``dtype``: ``"float32"`` (the
+    default), ``"float16"``, ``"bfloat16"`` or ``"int8"`` (with one float16
+    scale per 32 values of each head, inside the row; see the README's
+    "Precision"). The pool owns one K arena and one V arena of
     ``total_blocks`` blocks, allocated so that untouched blocks cost no
     physical memory. Block ids and their reference counts move under one
     native mutex, held only while ids move. ``free_blocks`` is the
@@ -540,7 +550,8 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     """
 
     def __cinit__(self, block_size=_MISSING, total_blocks=_MISSING, n_kv_heads=_MISSING,
-                  head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False):
+                  head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False,
+                  dtype="float32"):
         self.p = NULL
         _require("KvBlockPool", ("block_size", "total_blocks", "n_kv_heads", "head_dim"),
                  (block_size, total_blocks, n_kv_heads, head_dim))
@@ -551,6 +562,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         cdef Py_ssize_t d = _count(head_dim, "head_dim", 1)
         cdef Py_ssize_t vd = d if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
         cdef bint with_prefix = bool(prefix_cache)
+        cdef int code = _dtype_code(dtype, "dtype")
         if total > INT32_MAX:
             raise ValueError(f"total_blocks must be <= {INT32_MAX}, got {total}")
         _checked_bytes("block_size * n_kv_heads * head_dim", bs, h, d)
@@ -559,16 +571,19 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         _checked_bytes("total_blocks * block_size * V row", total, bs, h * vd)
         if with_prefix:
             _checked_bytes("total_blocks * block_size token ids", total, bs, 1)
+        if h > INT32_MAX or d > INT32_MAX or vd > INT32_MAX:
+            raise ValueError("n_kv_heads, head_dim and v_head_dim must be < 2**31")
         self.n_kv_heads = h
         self.head_dim = d
         self.v_head_dim = vd
         with nogil:
-            self.p = pool_new(bs, total, h * d, h * vd, with_prefix)
+            self.p = pool_new(bs, total, <int>h, <int>d, <int>vd, code, with_prefix)
         if self.p == NULL:
             raise MemoryError(f"cannot allocate a pool of {total} blocks of {bs} positions")
 
     def __init__(self, block_size=_MISSING, total_blocks=_MISSING, n_kv_heads=_MISSING,
-                 head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False):
+                 head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False,
+                 dtype="float32"):
         pass    # all done in __cinit__; here so that the signature is introspectable
 
     def __reduce__(self):
@@ -616,8 +631,15 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
 
     @property
     def block_bytes(self):
-        """Bytes of one block, K and V together."""
-        return (self.p.k_block_floats + self.p.v_block_floats) * sizeof(float)
+        """Bytes of one block, K and V together, as stored (int8: scales
+        included)."""
+        return self.p.k_block + self.p.v_block
+
+    @property
+    def dtype(self):
+        """The storage dtype, as a name: ``"float32"``, ``"float16"``,
+        ``"bfloat16"`` or ``"int8"``."""
+        return DTYPES[self.p.dtype]
 
     def stats(self):
         """A consistent snapshot of the pool's counters, as a dict.
@@ -667,30 +689,63 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             "evictions": ev,
         }
 
-    cdef cnp.ndarray _arena_view(self, float* base, Py_ssize_t width_last):
-        cdef cnp.npy_intp dims[4]
-        dims[0] = self.p.total
-        dims[1] = self.p.block_size
-        dims[2] = self.n_kv_heads
-        dims[3] = width_last
-        cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(4, dims, cnp.NPY_FLOAT32, base)
-        cnp.set_array_base(arr, self)          # the view keeps the pool alive
-        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
-        return arr
+    cdef object _arena_view(self, char* base, Py_ssize_t dim, size_t row, bint scales):
+        """A read-only view of an arena (keeps the pool alive): the values,
+        shape (total_blocks, block_size, n_kv_heads, dim), or with ``scales``
+        an int8 arena's scales, (total_blocks, block_size, n_kv_heads,
+        ceil(dim / 32)) float16. Strided: rows are ``row`` bytes apart."""
+        cdef Pool* p = self.p
+        cdef int typ = (cnp.NPY_FLOAT32, cnp.NPY_FLOAT16, cnp.NPY_UINT16, cnp.NPY_INT8)[p.dtype]
+        cdef Py_ssize_t item = 4 if p.dtype == FX_F32 else (1 if p.dtype == FX_I8 else 2)
+        cdef Py_ssize_t last = dim
+        cdef char* data = base
+        if scales:
+            typ = cnp.NPY_FLOAT16
+            item = 2
+            last = (dim + 31) // 32
+            data = base + <size_t>p.nh * <size_t>dim
+        cdef cnp.npy_intp n = <cnp.npy_intp>(<size_t>p.total * p.block_size * row)
+        cdef cnp.ndarray raw = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, base)
+        cnp.set_array_base(raw, self)          # the view keeps the pool alive
+        cnp.PyArray_CLEARFLAGS(raw, cnp.NPY_ARRAY_WRITEABLE)
+        shape = (p.total, p.block_size, self.n_kv_heads, last)
+        strides = (<Py_ssize_t>(p.block_size * row), <Py_ssize_t>row, last * item, item)
+        return np.ndarray(shape, cnp.PyArray_DescrFromType(typ), buffer=raw,
+                          offset=<Py_ssize_t>(data - base), strides=strides)
 
     @property
     def key_blocks(self):
-        """Read-only zero-copy view of the K arena,
+        """Read-only zero-copy view of the K arena's values,
         shape ``(total_blocks, block_size, n_kv_heads, head_dim)``; it keeps the
         arena alive. Row ``r`` of a pooled cache lives at
-        ``key_blocks[cache.block_table[r // block_size], r % block_size]``."""
-        return self._arena_view(self.p.k_arena, self.head_dim)
+        ``key_blocks[cache.block_table[r // block_size], r % block_size]``.
+        Its dtype: float32 / float16 for those pools, ``uint16`` (the raw
+        bfloat16 bits: ``(x.astype(np.uint32) << 16).view(np.float32)``) for
+        bfloat16, int8 for int8 (dequantise with ``key_scales``)."""
+        return self._arena_view(self.p.k_arena, self.head_dim, self.p.k_row, False)
 
     @property
     def value_blocks(self):
-        """Read-only zero-copy view of the V arena,
+        """Read-only zero-copy view of the V arena's values,
         shape ``(total_blocks, block_size, n_kv_heads, v_head_dim)``."""
-        return self._arena_view(self.p.v_arena, self.v_head_dim)
+        return self._arena_view(self.p.v_arena, self.v_head_dim, self.p.v_row, False)
+
+    @property
+    def key_scales(self):
+        """An int8 pool's K scales, read-only float16 view shaped
+        ``(total_blocks, block_size, n_kv_heads, ceil(head_dim / 32))``: value
+        ``i`` of a head is ``key_blocks[..., i] * key_scales[..., i // 32]``.
+        None for the other dtypes."""
+        if self.p.dtype != FX_I8:
+            return None
+        return self._arena_view(self.p.k_arena, self.head_dim, self.p.k_row, True)
+
+    @property
+    def value_scales(self):
+        """An int8 pool's V scales (as ``key_scales``); None otherwise."""
+        if self.p.dtype != FX_I8:
+            return None
+        return self._arena_view(self.p.v_arena, self.v_head_dim, self.p.v_row, True)
 
     def allocate(self, n):
         """Take ``n`` blocks, all or nothing, and return their ids (int32 array).
@@ -841,5 +896,6 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         return (f"KvBlockPool(block_size={self.p.block_size}, "
                 f"total_blocks={self.p.total}, n_kv_heads={self.n_kv_heads}, "
                 f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}"
-                f"{', prefix_cache=True' if self.p.prefix != NULL else ''}, "
+                f"{', prefix_cache=True' if self.p.prefix != NULL else ''}"
+                f"{'' if self.p.dtype == FX_F32 else ', dtype=%r' % self.dtype}, "
                 f"free_blocks={self.free_blocks})")

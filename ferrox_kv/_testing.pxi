@@ -67,15 +67,16 @@ cdef float _read_cache(Cache* c) noexcept nogil:
     cdef float acc = 0
     while r < c.len:
         m = _run(c, r, c.len)
-        acc += fx_read_rows(_k_row(c, r), 1, m * c.kw, 0)
-        acc += fx_read_rows(_v_row(c, r), 1, m * c.vw, 0)
+        acc += fx_read_rows(<const float*>_k_row(c, r), 1, <Py_ssize_t>(m * c.k_row // 4), 0)
+        acc += fx_read_rows(<const float*>_v_row(c, r), 1, <Py_ssize_t>(m * c.v_row // 4), 0)
         r += m
     return acc
 
 
 def _read_floor(caches, Py_ssize_t repeat=1):
-    """The read-bandwidth floor of attention: read every K and V float of each
-    cache's context once (through its block table when pooled), ``repeat``
+    """The read-bandwidth floor of attention: read every stored K and V byte
+    of each cache's context once (as floats; the last bytes of a run of rows
+    whose bytes are not a multiple of 4 are skipped) (through its block table when pooled), ``repeat``
     times, in C without the GIL. Returns the sum (so nothing is optimised
     away)."""
     cdef tuple cl = tuple(caches)
@@ -90,3 +91,25 @@ def _read_floor(caches, Py_ssize_t repeat=1):
     finally:
         _release_all(cs, n)
     return acc
+
+
+def _convert_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t n_heads,
+                   Py_ssize_t head_dim, dtype, Py_ssize_t repeat=1):
+    """Convert float32 rows ``src`` (n, n_heads * head_dim) into stored rows
+    of ``dtype`` in ``dst`` (bytes, at least n rows), ``repeat`` times, in C
+    without the GIL and without a cache: the conversion floor of the
+    benchmark. Returns the row bytes."""
+    cdef int code = _dtype_code(dtype, "dtype")
+    cdef size_t row = _row_bytes(n_heads, head_dim, code)
+    cdef Py_ssize_t w = n_heads * head_dim, k
+    cdef Py_ssize_t n = cnp.PyArray_NBYTES(src) // (w * 4) if w > 0 else 0
+    if not (cnp.PyArray_ISCARRAY(dst) and cnp.PyArray_ISCARRAY_RO(src)
+            and cnp.PyArray_TYPE(src) == cnp.NPY_FLOAT32):
+        raise ValueError("dst must be writeable and C-contiguous, src C-contiguous float32")
+    if w <= 0 or <size_t>cnp.PyArray_NBYTES(dst) < <size_t>n * row:
+        raise ValueError("dst holds fewer than n stored rows")
+    with nogil:
+        for k in range(repeat):
+            fx_rows_from_f32(cnp.PyArray_DATA(dst), row, <const float*>cnp.PyArray_DATA(src),
+                             <size_t>w, n, <int>n_heads, <int>head_dim, code)
+    return row

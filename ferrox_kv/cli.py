@@ -41,7 +41,10 @@ def info_lines():
     b = _core.build_info()
     lines += [f"  build              {b['build']}",
               f"  compiler           {b['compiler']}"]
-    lines += [f"  attention SIMD     {ferrox_kv.simd_path()}   [simd_path()]",
+    lines += [f"  attention SIMD     {ferrox_kv.simd_path()}   [simd_path()]"]
+    lines += [f"    rows of {dt:<10} {ferrox_kv.simd_path(dt).split('; ', 1)[1]}   "
+              f"[simd_path({dt!r})]" for dt in ferrox_kv.DTYPES]
+    lines += [
               f"  GIL released for   copies of >= {ferrox_kv.gil_release_threshold()} bytes "
               "per call   [gil_release_threshold()]",
               f"  GIL released for   attention over >= "

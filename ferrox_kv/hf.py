@@ -13,7 +13,10 @@ rest of ferrox_kv never imports this module.
 
 Layout. One ferrox_kv ``KvCache`` per layer and per sequence of the batch.
 transformers hands each layer K/V shaped ``(batch, heads, T, head_dim)``; they
-are stored as float32 rows (``(T, heads, head_dim)`` per sequence).
+are stored as rows (``(T, heads, head_dim)`` per sequence) of the cache's
+``dtype``: by default (``dtype="auto"``) the dtype the model runs in, so a
+bf16 model's cache holds bfloat16 (the bytes of DynamicCache), or an explicit
+``"float32"`` / ``"float16"`` / ``"bfloat16"`` / ``"int8"`` (or torch dtype).
 
 Attention. With ``attn_implementation="ferrox"`` a layer's ``update`` stores
 the new rows and hands the layer to the attention function (through the
@@ -35,8 +38,10 @@ are faster there), and with dropout.
 
 Copies, said plainly:
 
-* in: the new K/V are converted to float32 on the CPU (a copy when the model
-  runs in bf16/fp16 or on another device);
+* in: bf16 / fp16 / fp32 K/V are read in place on the CPU (after moving them
+  there and making them ``(T, heads, head_dim)``-contiguous, which is a copy
+  unless T is 1) and converted to the storage dtype inside the copy loop: no
+  float32 detour; other dtypes are converted to float32 first;
 * attention "ferrox": only the queries (to float32) and the output (back to
   the model's dtype and device) are copied;
 * any other attention implementation: every step hands the whole K/V to
@@ -87,7 +92,7 @@ except ImportError as e:
         "ferrox_kv.hf needs torch and transformers 5: pip install 'ferrox_kv[hf]' "
         f"(on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
 
-from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
+from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv._core import _assign, _extend_each
 
 __all__ = ["ATTENTION", "FerroxCache", "FerroxLayer", "ferrox_attention", "kv_geometry"]
@@ -109,6 +114,40 @@ def kv_geometry(config):
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     return cfg.num_hidden_layers, int(n_kv), int(head_dim)
+
+
+_STORAGE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _storage_dtype(dtype) -> str:
+    """A FerroxCache ``dtype=`` (not "auto") as a storage dtype name: a name
+    ferrox_kv stores, or a torch dtype of one (``torch.int8`` included)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: FerroxCache stores 'auto' (the model's dtype), "
+                         f"{', '.join(map(repr, DTYPES))} or the torch dtypes of those")
+    return name
+
+
+def _model_storage(dtype) -> str:
+    """What dtype="auto" stores for a model running in ``dtype``."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return _STORAGE.get(dtype, "float32")
+
+
+def _rows(states):
+    """(B, H, T, D) K or V states as (B, T, H, D) rows on the CPU the core
+    reads in place: the tensor itself for float32 / float16 / bfloat16 (a
+    float32 one as a numpy view), else converted to float32."""
+    x = states.detach()
+    if x.dtype not in _STORAGE:
+        x = x.to(torch.float32)
+    x = x.to("cpu").transpose(1, 2).contiguous()
+    return x.numpy() if x.dtype == torch.float32 else x
 
 
 def _ids(tokens):
@@ -273,10 +312,11 @@ class FerroxLayer(CacheLayerMixin):
     def keys(self):
         """K as DynamicCache holds it: ``(batch, kv_heads, seq_len, head_dim)``
         in the model's dtype and device; None before the first update. A
-        zero-copy view of a contiguous float32 CPU cache of batch 1 (it shows
+        zero-copy view of a contiguous CPU cache of batch 1 that stores the
+        model's dtype, float32 or float16 (it shows
         the buffer at the time of access: rows written later into a new buffer
         do not show); otherwise a copy gathered at each access (pooled blocks,
-        batch > 1, another dtype or device). Read it, do not write it: writes
+        batch > 1, bfloat16 or int8 storage, another dtype or device). Read it, do not write it: writes
         into a view bypass the cache."""
         return self._tensor(False) if self.is_initialized and self.seqs else None
 
@@ -318,10 +358,12 @@ class FerroxLayer(CacheLayerMixin):
         was_empty = self.get_seq_length() == 0
         if kb > had:
             owner._ensure_batch(kb)
-        # (B, H, T, D) -> (B, T, H, D) float32 on the CPU; no copy for one
-        # float32 CPU token, whose (H, 1, D) rows are already (1, H, D).
-        kn = key_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-        vn = value_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
+        if was_empty and self.layer_idx == 0:
+            owner._settle_auto_dtype(key_states.dtype)
+        # (B, H, T, D) -> (B, T, H, D) on the CPU, in the model's dtype; no
+        # copy for one CPU token, whose (H, 1, D) rows are already (1, H, D).
+        kn = _rows(key_states)
+        vn = _rows(value_states)
         before = self.get_seq_length()
         try:
             _extend_each(self.seqs, kn, vn)        # every sequence or none
@@ -348,18 +390,18 @@ class FerroxLayer(CacheLayerMixin):
 
     def _tensor(self, want_v):
         """K (or V) of every sequence as ``(batch, heads, seq_len, head_dim)``
-        in the model's dtype and device: zero-copy for one contiguous float32
-        CPU cache, else a copy."""
+        in the model's dtype and device: zero-copy for one contiguous CPU
+        cache storing the model's dtype (float32 or float16), else a copy."""
         rows = []
         for cache in self.seqs:
-            if cache.is_pooled:
-                a = cache.v if want_v else cache.k     # a fresh copy gathered from the blocks
+            if cache.is_pooled or cache.dtype in ("bfloat16", "int8"):
+                a = cache.v if want_v else cache.k     # a fresh copy: gathered, or float32 values
                 a.setflags(write=True)                 # it owns its memory; torch wants it writable
             else:
-                a = cache._views()[want_v]             # zero-copy
+                a = cache._views()[want_v]             # zero-copy (float32 or float16)
             rows.append(torch.from_numpy(a).permute(1, 0, 2))   # (H, S, D) view
         t = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
-        if self.dtype is not None and self.dtype != torch.float32:
+        if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         if self.device is not None and self.device.type != "cpu":
             t = t.to(self.device)
@@ -409,7 +451,14 @@ class FerroxCache(Cache):
     """A transformers ``Cache`` whose K/V live in ferrox_kv caches.
 
     ``FerroxCache(config=None, pool=None, max_seq_len=None, batch_size=1, *,
-    tokens=None, salt=None)``
+    tokens=None, salt=None, dtype="auto")``
+
+    * ``dtype``: the storage. ``"auto"`` stores K/V in the dtype the model
+      hands them in (bf16 model: bfloat16, fp16: float16, float32: float32;
+      read from ``config.dtype`` and settled at the first ``update``), or a
+      pool's dtype when a pool is given. ``"float32"``, ``"float16"``,
+      ``"bfloat16"``, ``"int8"`` (or their torch dtypes) choose it whatever
+      the model runs in; with a pool it must be the pool's (``ValueError``).
 
     * ``config``: the model's config (``model.config``, not the model).
       Without it (no pool then) the geometry and the layers come from the
@@ -444,7 +493,7 @@ class FerroxCache(Cache):
     ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
     def __init__(self, config=None, pool: KvBlockPool | None = None, max_seq_len: int | None = None,
-                 batch_size: int = 1, *, tokens=None, salt=None):
+                 batch_size: int = 1, *, tokens=None, salt=None, dtype="auto"):
         if isinstance(config, torch.nn.Module):
             raise TypeError("FerroxCache takes the model's config, not the model: "
                             "FerroxCache(model.config, ...)")
@@ -472,6 +521,16 @@ class FerroxCache(Cache):
                 raise ValueError(
                     f"pool geometry (n_kv_heads={pool.n_kv_heads}, head_dim={pool.head_dim}) "
                     f"does not match the model's (num_key_value_heads={n_kv}, head_dim={head_dim})")
+        self._auto = isinstance(dtype, str) and dtype == "auto"
+        if self._auto:
+            self.dtype = pool.dtype if pool is not None else _model_storage(
+                getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+        else:
+            self.dtype = _storage_dtype(dtype)
+            if pool is not None and pool.dtype != self.dtype:
+                raise ValueError(f"dtype={self.dtype!r} does not match the pool's dtype "
+                                 f"{pool.dtype!r}: a pooled FerroxCache stores what its pool "
+                                 "stores (leave dtype='auto' to take the pool's)")
         if max_seq_len is not None and max_seq_len < 0:
             raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
         if batch_size < 1:
@@ -592,9 +651,28 @@ class FerroxCache(Cache):
                                           self.max_seq_len, tokens=tokens,
                                           salt=self.salt if tokens is not None else None)
         if self.max_seq_len is not None:
-            return [KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len)
-                    for _ in range(count)]
-        return [KvCache(self.n_kv_heads, self.head_dim) for _ in range(count)]
+            return [KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len,
+                                          dtype=self.dtype) for _ in range(count)]
+        return [KvCache(self.n_kv_heads, self.head_dim, dtype=self.dtype) for _ in range(count)]
+
+    def _settle_auto_dtype(self, model_dtype) -> None:
+        """dtype="auto" without a pool: the first update shows the dtype the
+        model really runs in (its config may not say); the still-empty
+        caches are remade in that storage dtype."""
+        want = _model_storage(model_dtype)
+        if not self._auto or self.pool is not None or want == self.dtype:
+            return
+        if any(c.seq_len for layer in self.layers for c in layer.seqs):
+            return
+        batch = self.batch_size
+        fresh = [KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len, dtype=want)
+                 if self.max_seq_len is not None else KvCache(self.n_kv_heads, self.head_dim, dtype=want)
+                 for _ in range(batch * len(self.layers))]
+        self.dtype = want
+        for i, layer in enumerate(self.layers):
+            for c in layer.seqs:
+                c.close()
+            layer.seqs = fresh[i * batch:(i + 1) * batch]
 
     def _check_open(self):
         if self._closed:

@@ -10,8 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import DTYPES, stored
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv import _core
+
+# every storage dtype: the reference runs over the values the cache stores
+# (rounded to float16 / bfloat16, or int8-dequantised)
+each_dtype = pytest.mark.parametrize("dtype", DTYPES)
+
+
+def _st(x, dtype):
+    """What a cache of ``dtype`` stores of rows x (T, h, d)."""
+    t, h, d = x.shape
+    return stored(x.reshape(t, h * d), dtype, d).reshape(t, h, d)
 
 
 def reference(k, v, q, scale=None, window=None, start=0):
@@ -41,12 +52,12 @@ def _data(t, h, d, vd, seed=0, scale=1.0):
             rng.standard_normal((t, h, vd)).astype(np.float32))
 
 
-def _cache(kind, h, d, vd, t, block_size=16):
+def _cache(kind, h, d, vd, t, block_size=16, dtype="float32"):
     if kind == "growable":
-        return KvCache(h, d, v_head_dim=vd)
+        return KvCache(h, d, v_head_dim=vd, dtype=dtype)
     if kind == "capacity":
-        return KvCache.with_capacity(h, d, t, v_head_dim=vd)
-    pool = KvBlockPool(block_size, -(-t // block_size) + 4, h, d, v_head_dim=vd)
+        return KvCache.with_capacity(h, d, t, v_head_dim=vd, dtype=dtype)
+    pool = KvBlockPool(block_size, -(-t // block_size) + 4, h, d, v_head_dim=vd, dtype=dtype)
     if kind == "pooled-shuffled":          # blocks out of order in the arena
         hold = pool.allocate(3)
         c = KvCache.with_pool(h, d, pool, t, v_head_dim=vd)
@@ -61,52 +72,58 @@ def _check(out, ref, tol=2e-5):
 
 @pytest.mark.parametrize("h,nh", [(8, 8), (2, 8), (1, 8), (4, 32), (8, 32)])
 @pytest.mark.parametrize("kind", ["growable", "capacity", "pooled", "pooled-shuffled"])
-def test_decode_matches_the_reference_for_every_head_grouping(h, nh, kind):
+@each_dtype
+def test_decode_matches_the_reference_for_every_head_grouping(h, nh, kind, dtype):
     d, t = 64, 70
     k, v = _data(t, h, d, d)
-    c = _cache(kind, h, d, d, t)
+    c = _cache(kind, h, d, d, t, dtype=dtype)
     c.extend(k, v)
     q = np.random.default_rng(1).standard_normal((nh, d)).astype(np.float32)
     out = c.attend(q)
     assert out.shape == (nh, d) and out.dtype == np.float32
-    _check(out, reference(k, v, q[None])[0])
+    _check(out, reference(_st(k, dtype), _st(v, dtype), q[None])[0])
 
 
 @pytest.mark.parametrize("d,vd", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (64, 32)])
-def test_head_sizes_and_a_v_head_dim_of_its_own(d, vd):
+@each_dtype
+def test_head_sizes_and_a_v_head_dim_of_its_own(d, vd, dtype):
     k, v = _data(45, 2, d, vd, seed=d)
-    c = _cache("pooled", 2, d, vd, 45, block_size=16)
+    c = _cache("pooled", 2, d, vd, 45, block_size=16, dtype=dtype)
     c.extend(k, v)
     q = np.random.default_rng(d).standard_normal((3, 8, d)).astype(np.float32)
     out = c.attend(q)
     assert out.shape == (3, 8, vd)
-    _check(out, reference(k, v, q))
+    _check(out, reference(_st(k, dtype), _st(v, dtype), q))
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16, 32])
 @pytest.mark.parametrize("t", [1, 6, 7, 8, 33, 100])
-def test_block_sizes_with_contexts_that_cross_block_boundaries(block_size, t):
+@each_dtype
+def test_block_sizes_with_contexts_that_cross_block_boundaries(block_size, t, dtype):
     k, v = _data(t, 2, 16, 16, seed=t)
-    c = _cache("pooled-shuffled", 2, 16, 16, t, block_size)
+    c = _cache("pooled-shuffled", 2, 16, 16, t, block_size, dtype=dtype)
     for i in range(t):                      # pushed one by one, as in decoding
         c.push(k[i], v[i])
     q = np.random.default_rng(t).standard_normal((min(t, 4), 4, 16)).astype(np.float32)
-    _check(c.attend(q), reference(k, v, q))
+    _check(c.attend(q), reference(_st(k, dtype), _st(v, dtype), q))
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 5, 17, 33, 64])
 @pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
-def test_causal_chunks_with_and_without_a_window(q_len, window):
+@each_dtype
+def test_causal_chunks_with_and_without_a_window(q_len, window, dtype):
     k, v = _data(80, 2, 32, 32, seed=q_len)
-    c = _cache("pooled", 2, 32, 32, 80, block_size=7)
+    c = _cache("pooled", 2, 32, 32, 80, block_size=7, dtype=dtype)
     c.extend(k, v)
     q = np.random.default_rng(q_len).standard_normal((q_len, 8, 32)).astype(np.float32)
-    _check(c.attend(q, window=window), reference(k, v, q, window=window))
+    _check(c.attend(q, window=window), reference(_st(k, dtype), _st(v, dtype), q, window=window))
 
 
-def test_after_truncate_release_copy_and_fork_attention_sees_the_rows_kept():
+@each_dtype
+def test_after_truncate_release_copy_and_fork_attention_sees_the_rows_kept(dtype):
     k, v = _data(50, 2, 16, 16, seed=3)
-    pool = KvBlockPool(8, 32, 2, 16)
+    k, v = _st(k, dtype), _st(v, dtype)      # values the cache stores exactly
+    pool = KvBlockPool(8, 32, 2, 16, dtype=dtype)
     c = KvCache.with_pool(2, 16, pool, 64)
     c.extend(k, v)
     q = np.random.default_rng(3).standard_normal((2, 4, 16)).astype(np.float32)
@@ -114,7 +131,7 @@ def test_after_truncate_release_copy_and_fork_attention_sees_the_rows_kept():
     _check(c.attend(q), reference(k[:30], v[:30], q))
     f = c.fork()
     f.extend(k[30:40] * 2, v[30:40])
-    _check(f.attend(q), reference(np.concatenate([k[:30], k[30:40] * 2]), v[:40], q))
+    _check(f.attend(q), reference(np.concatenate([k[:30], _st(k[30:40] * 2, dtype)]), v[:40], q))
     _check(c.attend(q), reference(k[:30], v[:30], q))          # the parent is untouched
     cp = c.copy()
     _check(cp.attend(q), reference(k[:30], v[:30], q))
@@ -221,12 +238,13 @@ def test_scale_and_out_are_honoured_and_out_may_alias_q():
     _check(qq, reference(k, v, q))
 
 
-def test_attend_many_matches_attend_per_sequence_with_lengths_and_left_padding():
-    pool = KvBlockPool(4, 64, 2, 16)
+@each_dtype
+def test_attend_many_matches_attend_per_sequence_with_lengths_and_left_padding(dtype):
+    pool = KvBlockPool(4, 64, 2, 16, dtype=dtype)
     lens, pads = [9, 23, 40], [0, 5, 17]
     caches, datas = [], []
     for i, n in enumerate(lens):
-        k, v = _data(n, 2, 16, 16, seed=10 + i)
+        k, v = (_st(x, dtype) for x in _data(n, 2, 16, 16, seed=10 + i))
         c = KvCache.with_pool(2, 16, pool, n)
         c.extend(k, v)
         caches.append(c)

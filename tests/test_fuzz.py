@@ -37,8 +37,9 @@ def _values(world):
 
 
 class World:
-    def __init__(self):
-        self.pool = KvBlockPool(BS, 24, H, D, prefix_cache=True)
+    def __init__(self, dtype="float32"):
+        self.dtype = dtype
+        self.pool = KvBlockPool(BS, 24, H, D, prefix_cache=True, dtype=dtype)
         self.caches = []
         self.raw = []                  # ids from allocate(): the caller frees them
 
@@ -57,7 +58,7 @@ class World:
 
     def pick(self, data):
         if not self.caches:
-            return KvCache(H, D)
+            return KvCache(H, D, dtype=self.dtype)
         return data.draw(st.sampled_from(self.caches))
 
 
@@ -70,9 +71,10 @@ def _call(world, op, data, any_value):
     w, pool = world, world.pool
     a = lambda: data.draw(any_value)                     # noqa: E731
     if op == "new":
-        w.caches.append(KvCache(a(), a()) if data.draw(st.booleans()) else KvCache(H, D))
+        w.caches.append(KvCache(a(), a(), dtype=data.draw(st.sampled_from([w.dtype, a()])))
+                        if data.draw(st.booleans()) else KvCache(H, D, dtype=w.dtype))
     elif op == "with_capacity":
-        w.caches.append(KvCache.with_capacity(H, D, a()))
+        w.caches.append(KvCache.with_capacity(H, D, a(), dtype=w.dtype))
     elif op == "with_pool":
         w.caches.append(KvCache.with_pool(H, D, pool, a(), tokens=data.draw(
             st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=20), st.just("x")))))
@@ -109,15 +111,17 @@ def _call(world, op, data, any_value):
     elif op == "publish":
         pool.publish(data.draw(st.sampled_from([w.caches[:1], w.caches, [a()]])), a())
     elif op == "pool":
-        KvBlockPool(a(), a(), a(), a(), v_head_dim=data.draw(st.sampled_from([None, a()])))
+        KvBlockPool(a(), a(), a(), a(), v_head_dim=data.draw(st.sampled_from([None, a()])),
+                    dtype=data.draw(st.sampled_from(["float32", "bfloat16", a()])))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_arbitrary_calls_raise_only_documented_errors_and_lose_nothing(data):
-    world = World()
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_arbitrary_calls_raise_only_documented_errors_and_lose_nothing(dtype, data):
+    world = World(dtype)
     any_value = _values(world)
     for _ in range(data.draw(st.integers(1, 25))):
         op = data.draw(st.sampled_from(OPS))

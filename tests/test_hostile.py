@@ -202,10 +202,12 @@ def test_cache_without_arguments_names_the_missing_ones():
 
 # -- 3. a source that is the cache's own memory ---------------------------------
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("kind", ["contiguous", "pooled"])
-def test_extend_from_the_caches_own_rows_after_truncate(kind):
-    pool = KvBlockPool(4, 64, H, D)
-    c = KvCache.with_capacity(H, D, 64) if kind == "contiguous" else KvCache.with_pool(H, D, pool, 64)
+def test_extend_from_the_caches_own_rows_after_truncate(kind, dtype):
+    pool = KvBlockPool(4, 64, H, D, dtype=dtype)
+    c = (KvCache.with_capacity(H, D, 64, dtype=dtype) if kind == "contiguous"
+         else KvCache.with_pool(H, D, pool, 64))
     rows = np.arange(40 * W, dtype=np.float32).reshape(40, W)
     c.extend(rows, -rows)
     k, v = c._views() if kind == "contiguous" else (c.k, c.v)
@@ -216,8 +218,9 @@ def test_extend_from_the_caches_own_rows_after_truncate(kind):
     np.testing.assert_array_equal(c.v.reshape(-1, W), -expect)
 
 
-def test_push_and_extend_from_the_pools_own_blocks():
-    pool = KvBlockPool(4, 8, H, D)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_push_and_extend_from_the_pools_own_blocks(dtype):
+    pool = KvBlockPool(4, 8, H, D, dtype=dtype)
     c = KvCache.with_pool(H, D, pool, 16)
     rows = np.arange(6 * W, dtype=np.float32).reshape(6, W)
     c.extend(rows, rows + 1)
@@ -437,16 +440,19 @@ def test_non_numeric_steps_raise_type_error(bad):
     assert c.seq_len == 0
 
 
-def test_torch_half_precision_tensors_get_a_type_error_that_says_how_to_convert():
+def test_torch_tensors_of_other_dtypes_get_a_type_error_that_says_what_is_accepted():
     torch = pytest.importorskip("torch")
     c = KvCache(H, D)
-    for dt in (torch.bfloat16, torch.float16):
-        with pytest.raises(TypeError, match=r"k_step is a torch tensor of dtype .*to\('cpu', torch.float32\)"):
+    for dt in (torch.float64, torch.int64, torch.bool):
+        with pytest.raises(TypeError, match=r"k_step is a torch tensor of dtype .*float32, "
+                                            r"float16 or bfloat16.*to\('cpu', torch.float32\)"):
             c.push(torch.ones(W, dtype=dt), np.ones(W, np.float32))
         with pytest.raises(TypeError, match="v_steps is a torch tensor"):
             c.extend(np.ones((2, W), np.float32), torch.ones(2, W, dtype=dt))
+    assert c.seq_len == 0
     c.push(torch.ones(W), torch.ones(W))                     # float32 CPU: accepted
-    assert c.seq_len == 1
+    c.push(torch.ones(W, dtype=torch.bfloat16), torch.ones(W, dtype=torch.float16))
+    assert c.seq_len == 2 and (c.k == 1).all()
 
 
 # -- found by review: numbers that lie, caches that share blocks, hooks ----------

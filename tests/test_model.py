@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
                                  invariant, rule)
 
+from conftest import stored, values
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 
 H, D, VD = 1, 3, 2
@@ -42,10 +43,11 @@ class Slot:
 
 class CacheMachine(RuleBasedStateMachine):
     caches = Bundle("caches")
+    DTYPE = "float32"
 
     def __init__(self):
         super().__init__()
-        self.pool = KvBlockPool(BS, TOTAL, H, D, v_head_dim=VD)
+        self.pool = KvBlockPool(BS, TOTAL, H, D, v_head_dim=VD, dtype=self.DTYPE)
         self.free = TOTAL
         self.live = []          # (cache, model)
         self.closed = []        # caches after close()
@@ -70,16 +72,17 @@ class CacheMachine(RuleBasedStateMachine):
           max_len=st.integers(0, 12))
     def create(self, kind, max_len):
         if kind == "new":
-            c, m = KvCache(H, D, v_head_dim=VD), Model(False)
+            c, m = KvCache(H, D, v_head_dim=VD, dtype=self.DTYPE), Model(False)
         elif kind == "capacity":
-            c, m = KvCache.with_capacity(H, D, max_len, v_head_dim=VD), Model(False, plan=max_len)
+            c = KvCache.with_capacity(H, D, max_len, v_head_dim=VD, dtype=self.DTYPE)
+            m = Model(False, plan=max_len)
         else:
             need = max(1, -(-max_len // BS))
             try:
                 c = KvCache.with_pool(H, D, self.pool, max_len, v_head_dim=VD)
             except KvPoolExhausted as e:
                 assert need > self.free and e.requested == need and e.free == self.free
-                c = KvCache(H, D, v_head_dim=VD)
+                c = KvCache(H, D, v_head_dim=VD, dtype=self.DTYPE)
                 m = Model(False)
             else:
                 assert need <= self.free
@@ -148,7 +151,7 @@ class CacheMachine(RuleBasedStateMachine):
             made = KvCache.with_pool_many(count, H, D, self.pool, max_len, v_head_dim=VD)
         except KvPoolExhausted as e:
             assert per * count > self.free and e.requested == per * count
-            c, m = KvCache(H, D, v_head_dim=VD), Model(False)
+            c, m = KvCache(H, D, v_head_dim=VD, dtype=self.DTYPE), Model(False)
             self.live.append((c, m))
             return self._slot(c, m)
         assert per * count <= self.free
@@ -225,8 +228,13 @@ class CacheMachine(RuleBasedStateMachine):
             assert c.seq_len == len(m.k) == len(c)
             assert c.is_pooled == m.pooled
             assert c.blocks_held == (m.blocks if m.pooled else 0)
-            np.testing.assert_array_equal(c.k.reshape(-1, KW), np.array(m.k, np.float32).reshape(-1, KW))
-            np.testing.assert_array_equal(c.v.reshape(-1, VW), np.array(m.v, np.float32).reshape(-1, VW))
+            assert c.dtype == self.DTYPE
+            np.testing.assert_array_equal(
+                values(c.k).reshape(-1, KW),
+                stored(np.array(m.k, np.float32).reshape(-1, KW), self.DTYPE, D))
+            np.testing.assert_array_equal(
+                values(c.v).reshape(-1, VW),
+                stored(np.array(m.v, np.float32).reshape(-1, VW), self.DTYPE, VD))
             assert c.is_within_planned_capacity() == (m.plan is not None and len(m.k) <= m.plan)
             if m.pooled:
                 assert c.allocated_bytes() == m.blocks * self.pool.block_bytes
@@ -259,6 +267,21 @@ TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, de
                                      suppress_health_check=[HealthCheck.too_slow])
 
 
+class Int8CacheMachine(CacheMachine):
+    DTYPE = "int8"
+
+
+class BFloat16CacheMachine(CacheMachine):
+    DTYPE = "bfloat16"
+
+
+TestInt8CacheMachine = Int8CacheMachine.TestCase
+TestBFloat16CacheMachine = BFloat16CacheMachine.TestCase
+TestInt8CacheMachine.settings = TestBFloat16CacheMachine.settings = settings(
+    max_examples=30, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+
+
 # ---------------------------------------------------------------------------
 # Sharing: fork, publish, prefix lookups and eviction on a small pool
 # ---------------------------------------------------------------------------
@@ -279,10 +302,11 @@ class SharingMachine(RuleBasedStateMachine):
     """Caches whose rows follow their token ids; every hit, fork and
     copy-on-write must keep them so, and the pool must pass check()."""
     caches = Bundle("shared")
+    DTYPE = "float32"
 
     def __init__(self):
         super().__init__()
-        self.pool = KvBlockPool(SB, STOTAL, 1, SW, prefix_cache=True)
+        self.pool = KvBlockPool(SB, STOTAL, 1, SW, prefix_cache=True, dtype=self.DTYPE)
         self.live = []                 # [cache, tokens]
         self.raw = []
         self.slots = []
@@ -303,10 +327,11 @@ class SharingMachine(RuleBasedStateMachine):
         try:
             c = KvCache.with_pool(1, SW, self.pool, len(toks) + extra, tokens=toks, salt=salt)
         except KvPoolExhausted:
-            return self._keep(KvCache(1, SW), [])
+            return self._keep(KvCache(1, SW, dtype=self.DTYPE), [])
         hit = c.seq_len
         assert hit % SB == 0 and hit <= len(toks) - 1
-        np.testing.assert_array_equal(c.k.reshape(-1, SW), self._rows(toks[:hit]))
+        np.testing.assert_array_equal(values(c.k).reshape(-1, SW),
+                                      stored(self._rows(toks[:hit]), self.DTYPE, SW))
         rest = self._rows(toks)[hit:]
         try:
             c.extend(rest, -rest)
@@ -341,7 +366,7 @@ class SharingMachine(RuleBasedStateMachine):
         try:
             f = c.fork()
         except KvPoolExhausted:
-            return self._keep(KvCache(1, SW), [])
+            return self._keep(KvCache(1, SW, dtype=self.DTYPE), [])
         return self._keep(f, toks)
 
     @rule(cm=caches, salt=st.sampled_from([None, "t"]))
@@ -374,8 +399,10 @@ class SharingMachine(RuleBasedStateMachine):
         self.pool.check()
         for c, toks in self.live:
             assert c.seq_len == len(toks)
-            np.testing.assert_array_equal(c.k.reshape(-1, SW), self._rows(toks))
-            np.testing.assert_array_equal(c.v.reshape(-1, SW), -self._rows(toks))
+            np.testing.assert_array_equal(values(c.k).reshape(-1, SW),
+                                          stored(self._rows(toks), self.DTYPE, SW))
+            np.testing.assert_array_equal(values(c.v).reshape(-1, SW),
+                                          stored(-self._rows(toks), self.DTYPE, SW))
 
     def teardown(self):
         self.live.clear()
@@ -391,3 +418,14 @@ class SharingMachine(RuleBasedStateMachine):
 TestSharingMachine = SharingMachine.TestCase
 TestSharingMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
+
+
+class Int8SharingMachine(SharingMachine):
+    """The same with int8 rows: their scales move with them through every
+    hit, fork, copy-on-write and eviction."""
+    DTYPE = "int8"
+
+
+TestInt8SharingMachine = Int8SharingMachine.TestCase
+TestInt8SharingMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])

@@ -12,6 +12,7 @@ import pytest
 import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
 from ferrox_kv import _core
+from conftest import stored, values
 
 
 @pytest.fixture
@@ -23,10 +24,11 @@ def gil_always_released():
 
 
 def _worker(pool, seed, steps, errors, h, d):
+    dt = pool.dtype
     rng = random.Random(seed)
     w = h * d
     live = []                                  # (cache, expected k rows, expected v rows)
-    counter = seed * 1_000_000
+    counter = seed * (1_000_000 if dt == "float32" else 10_000)   # int8 scales stay finite
     try:
         for _ in range(steps):
             op = rng.random()
@@ -34,7 +36,7 @@ def _worker(pool, seed, steps, errors, h, d):
                 try:
                     c = KvCache.with_pool(h, d, pool, rng.randint(0, 24))
                 except KvPoolExhausted:
-                    c = KvCache(h, d)
+                    c = KvCache(h, d, dtype=dt)
                 live.append([c, [], []])
                 continue
             entry = rng.choice(live)
@@ -77,21 +79,24 @@ def _worker(pool, seed, steps, errors, h, d):
                 live.remove(entry)             # drop: blocks go back
                 del c, entry
             else:
-                got_k, got_v = c.k.reshape(-1, w), c.v.reshape(-1, w)
-                np.testing.assert_array_equal(got_k, np.array(ks, np.float32).reshape(-1, w))
-                np.testing.assert_array_equal(got_v, np.array(vs, np.float32).reshape(-1, w))
+                got_k, got_v = values(c.k).reshape(-1, w), values(c.v).reshape(-1, w)
+                np.testing.assert_array_equal(got_k, stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
+                np.testing.assert_array_equal(got_v, stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
         for c, ks, vs in live:
-            np.testing.assert_array_equal(c.k.reshape(-1, w), np.array(ks, np.float32).reshape(-1, w))
-            np.testing.assert_array_equal(c.v.reshape(-1, w), np.array(vs, np.float32).reshape(-1, w))
+            np.testing.assert_array_equal(values(c.k).reshape(-1, w),
+                                          stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
+            np.testing.assert_array_equal(values(c.v).reshape(-1, w),
+                                          stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
     except BaseException as e:                 # reported by the main thread
         errors.append(e)
 
 
-@pytest.mark.parametrize("threshold", ["default", "always"])
-def test_eight_threads_share_one_pool_and_every_block_comes_back(threshold, request):
+@pytest.mark.parametrize("threshold,dtype", [("default", "float32"), ("always", "float32"),
+                                             ("always", "int8"), ("always", "bfloat16")])
+def test_eight_threads_share_one_pool_and_every_block_comes_back(threshold, dtype, request):
     if threshold == "always":
         request.getfixturevalue("gil_always_released")
-    pool = KvBlockPool(4, 64, 2, 8)
+    pool = KvBlockPool(4, 64, 2, 8, dtype=dtype)
     errors = []
     threads = [threading.Thread(target=_worker, args=(pool, s, 600, errors, 2, 8))
                for s in range(8)]
@@ -141,8 +146,9 @@ def test_one_cache_from_two_threads_raises_runtime_error_and_stays_consistent(gi
     assert int((k[:, 0] == 2.0).sum()) == pushes and int((k[:, 0] == 1.0).sum()) == extends[0] * 2048
 
 
-def test_fork_child_never_inherits_a_held_pool_lock():
-    pool = KvBlockPool(2, 8, 1, 2)
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_fork_child_never_inherits_a_held_pool_lock(dtype):
+    pool = KvBlockPool(2, 8, 1, 2, dtype=dtype)
     held = KvCache.with_pool(1, 2, pool, 4)
     holder = threading.Thread(target=_core._hold_pool_lock, args=(pool, 0.5))
     holder.start()

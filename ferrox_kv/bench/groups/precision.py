@@ -1,0 +1,225 @@
+"""Group precision: what each storage dtype costs and buys (issue 14's
+table), ratios taken in one run. Geometry llama8b (8 KV heads x 128, 32 query
+heads), pooled, block 16; with transformers, a bf16 model's per-token decode.
+
+Rows (slug: what, ratio of):
+  precision.bytes.<dt>         bytes per position per layer (K+V, scales included), of float32
+  precision.fit.<dt>           sequences of 2048 positions x 32 layers in a 1 GiB pool, of float32
+  precision.attend.<dt>        decode attend at each context, of float32 attend on the same data
+  precision.attend_floor.<dt>  decode attend, of its own read floor (the stored bytes read once)
+  precision.extend.<dt>        extend(512) from float32, of a C conversion floor over the same rows
+  precision.chunk.<dt>         causal chunk q_len 256 over 2048, of SDPA with a causal mask
+  precision.hf_bf16            bf16 model per token: FerroxCache(dtype="auto") + ferrox
+                               attention, of DynamicCache + SDPA in bf16
+"""
+import numpy as np
+
+from ferrox_kv import DTYPES, KvBlockPool, KvCache, _core
+from ferrox_kv.bench.common import BLOCK_SIZE, Group, Torch1, log, try_import
+from ferrox_kv.bench.harness import best_of, loops_for
+from ferrox_kv.bench.targets import Target
+
+GEO = "llama8b"
+KVH, D, H = 8, 128, 32
+
+
+def bench_precision(res, quick=False, reps=5, torch=None):
+    contexts = [2048] if quick else [2048, 8192]
+    reps = 2 if quick else reps
+    rng = np.random.default_rng(14)
+    g = "precision"
+
+    # -- bytes and fit -------------------------------------------------------------
+    per_pos = {}
+    for dt in DTYPES:
+        pool = KvBlockPool(BLOCK_SIZE, 1, KVH, D, dtype=dt)
+        per_pos[dt] = pool.block_bytes / BLOCK_SIZE
+    gib = 2 ** 30
+    seq_blocks = 32 * (2048 // BLOCK_SIZE)
+    fit = {dt: int(gib // (per_pos[dt] * BLOCK_SIZE)) // seq_blocks for dt in DTYPES}
+    for dt in DTYPES:
+        res.add(g, GEO, f"precision.bytes.{dt}", f"{dt}: bytes per position per layer (K+V)",
+                per_pos[dt], "B", per_pos[dt] / per_pos["float32"], "float32", dtype=dt)
+    for dt in DTYPES:
+        res.add(g, GEO, f"precision.fit.{dt}", f"{dt}: 2048-position x 32-layer sequences in 1 GiB",
+                fit[dt], "seqs", fit[dt] / fit["float32"], "float32", better="higher", dtype=dt)
+
+    # -- decode attention: each dtype on the same data -------------------------
+    for T in contexts:
+        K = rng.standard_normal((T, KVH, D), dtype=np.float32)
+        V = rng.standard_normal((T, KVH, D), dtype=np.float32)
+        K[:, :, :4] *= 30                       # outlier channels, as real keys have
+        q = rng.standard_normal((H, D), dtype=np.float32)
+        caches = {}
+        for dt in DTYPES:
+            nb = -(-T // BLOCK_SIZE)
+            c = KvCache.with_pool(KVH, D, KvBlockPool(BLOCK_SIZE, nb, KVH, D, dtype=dt), T)
+            c.extend(K, V)
+            caches[dt] = c
+        n = loops_for(lambda _: caches["float32"].attend(q), 0.05 if quick else 0.2)
+        out = np.empty((H, D), np.float32)
+        variants = []
+        for dt, c in caches.items():
+            variants.append((dt, lambda: None, lambda _, c=c: [c.attend(q, out=out) for _ in range(n)]))
+            variants.append((f"floor.{dt}", lambda: None, lambda _, c=c: _core._read_floor([c], n)))
+        best = best_of(variants, reps)
+        us = {k: v / n * 1e6 for k, v in best.items()}
+        exact = caches["float32"].attend(q)
+        for dt in DTYPES:
+            err = float(np.abs(caches[dt].attend(q) - exact).max())
+            res.add(g, GEO, f"precision.attend.{dt}", f"{dt}: decode attend @ {T}", us[dt],
+                    "us/call", us[dt] / us["float32"], "float32 attend", context=T, dtype=dt,
+                    max_abs_err=err)
+            res.add(g, GEO, f"precision.attend_floor.{dt}", f"{dt}: decode attend @ {T} vs its read floor",
+                    us[dt], "us/call", us[dt] / us[f"floor.{dt}"], "own read floor", context=T,
+                    dtype=dt, floor_us=us[f"floor.{dt}"])
+
+    # -- extend(512) from float32: conversion in the copy loop vs a C floor -----
+    t = 512
+    ks = rng.standard_normal((t, KVH * D), dtype=np.float32)
+    vs = rng.standard_normal((t, KVH * D), dtype=np.float32)
+    nb = -(-t // BLOCK_SIZE)
+    for dt in DTYPES:
+        row = KvBlockPool(1, 1, KVH, D, dtype=dt).block_bytes // 2
+        dk, dv = np.empty(t * row, np.uint8), np.empty(t * row, np.uint8)
+
+        def floor(_, dt=dt, dk=dk, dv=dv):
+            _core._convert_floor(dk, ks, KVH, D, dt)
+            _core._convert_floor(dv, vs, KVH, D, dt)
+
+        # one cache, rolled back before each run: its blocks are touched memory,
+        # as the floor's buffers are (a fresh pool would add its page faults)
+        cache = KvCache.with_pool(KVH, D, KvBlockPool(BLOCK_SIZE, nb, KVH, D, dtype=dt), t)
+
+        def again(cache=cache):
+            cache.truncate(0)
+            return cache
+
+        best = best_of([
+            ("floor", lambda: None, floor),
+            ("extend", again, lambda c: c.extend(ks, vs)),
+        ], reps)
+        cache.close()
+        res.add(g, GEO, f"precision.extend.{dt}", f"{dt}: extend({t}) from float32 vs C conversion",
+                best["extend"] * 1e6, "us/call", best["extend"] / best["floor"], "C conversion floor",
+                dtype=dt, floor_us=best["floor"] * 1e6)
+
+    # -- causal chunk: q_len 256 over 2048 --------------------------------------
+    if torch is not None:
+        F = torch.nn.functional
+        T, ql = 2048, 256
+        K = rng.standard_normal((T, KVH, D), dtype=np.float32)
+        V = rng.standard_normal((T, KVH, D), dtype=np.float32)
+        Q = rng.standard_normal((ql, H, D), dtype=np.float32)
+        kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None]
+        vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None]
+        qt = torch.from_numpy(np.ascontiguousarray(Q.transpose(1, 0, 2)))[None]
+        mask = torch.ones(ql, T, dtype=torch.bool).tril(T - ql)
+        for dt in ("float32", "bfloat16"):
+            c = KvCache.with_pool(KVH, D, KvBlockPool(BLOCK_SIZE, T // BLOCK_SIZE, KVH, D, dtype=dt), T)
+            c.extend(K, V)
+            best = best_of([
+                ("attend", lambda: None, lambda _, c=c: c.attend(Q)),
+                ("sdpa", lambda: None, lambda _: F.scaled_dot_product_attention(
+                    qt, kt, vt, attn_mask=mask, enable_gqa=True)),
+            ], reps)
+            res.add(g, GEO, f"precision.chunk.{dt}", f"{dt}: causal chunk {ql} over {T}",
+                    best["attend"] * 1e6, "us/call", best["attend"] / best["sdpa"],
+                    "SDPA causal", dtype=dt)
+    return res
+
+
+def bench_hf_bf16(res, contexts, quick=False):
+    """Per-token decode of the hf group's model in bfloat16: FerroxCache with
+    dtype="auto" (bfloat16 storage, pooled) and the ferrox attention against
+    DynamicCache + SDPA, both holding the same bf16 K/V."""
+    import torch
+    from transformers import DynamicCache
+
+    from ferrox_kv.bench.llama import decode, make_model, prefill
+    from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
+
+    tokens = 8 if quick else 16
+    reps = 3 if quick else 5
+    cfg, model = make_model(max(contexts) + tokens + 2)
+    model = model.to(torch.bfloat16)
+    layers, h, d = kv_geometry(cfg)
+    first = torch.tensor([[7]])
+    for ctx in contexts:
+        max_len = ctx + tokens + 2
+        gen = torch.Generator().manual_seed(ctx)
+        kv = [(torch.randn(1, h, ctx, d, generator=gen).to(torch.bfloat16),
+               torch.randn(1, h, ctx, d, generator=gen).to(torch.bfloat16)) for _ in range(layers)]
+        pool = KvBlockPool(BLOCK_SIZE, layers * (-(-max_len // BLOCK_SIZE)), h, d, dtype="bfloat16")
+        variants = {
+            "dynamic": ("sdpa", lambda: DynamicCache(config=cfg)),
+            "ferrox": (ATTENTION, lambda: FerroxCache(cfg, pool=pool, max_seq_len=max_len)),
+        }
+        best = {k: float("inf") for k in variants}
+        for _ in range(reps):
+            for slug, (impl, make) in variants.items():
+                model.set_attn_implementation(impl)
+                cache = make()
+                prefill(cache, kv)
+                sec, _ = decode(model, cache, tokens, first)
+                best[slug] = min(best[slug], sec)
+                if hasattr(cache, "close"):
+                    cache.close()
+                del cache
+        model.set_attn_implementation("sdpa")
+        ms = {k: v * 1e3 for k, v in best.items()}
+        log(f"precision hf bf16 @ {ctx}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
+        res.add("precision", f"llama-{layers}L", "precision.hf_bf16",
+                f"bf16 model, FerroxCache auto + ferrox attn @ {ctx}", ms["ferrox"], "ms/token",
+                ms["ferrox"] / ms["dynamic"], "DynamicCache + SDPA, bf16", context=ctx,
+                dynamic_ms=ms["dynamic"], tokens=tokens)
+        assert pool.free_blocks == pool.total_blocks
+
+
+def run(r):
+    log("precision: bytes, fit, attend, extend and chunk per storage dtype")
+    torch = try_import("torch") if r.torch_ok else None
+    with Torch1():
+        bench_precision(r.res, r.quick, r.reps, torch)
+        if r.hf_ok:
+            bench_hf_bf16(r.res, [2048] if r.quick else [2048, 8192], r.quick)
+
+
+# AVX2 goals: with 4 query heads per KV head the FMAs per stored value keep a
+# core near what it reads at float32 (see benchmarks/NOTES.md, "Precision")
+_ATTEND_GOAL = {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7}
+
+
+def targets(res):
+    out = [Target("bytes per position, float16 vs float32", "precision.bytes.float16", "<=", 0.5,
+                  where={"dtype": "float16"}),
+           Target("bytes per position, bfloat16 vs float32", "precision.bytes.bfloat16", "<=", 0.5,
+                  where={"dtype": "bfloat16"}),
+           Target("bytes per position, int8 (scales included) vs float32", "precision.bytes.int8",
+                  "<=", 0.27, where={"dtype": "int8"}),
+           Target("2048 x 32-layer sequences in 1 GiB, float16 vs float32", "precision.fit.float16",
+                  ">=", 2.0, where={"dtype": "float16"}),
+           Target("2048 x 32-layer sequences in 1 GiB, bfloat16 vs float32",
+                  "precision.fit.bfloat16", ">=", 2.0, where={"dtype": "bfloat16"}),
+           Target("2048 x 32-layer sequences in 1 GiB, int8 vs float32", "precision.fit.int8",
+                  ">=", 3.7, where={"dtype": "int8"})]
+    for dt, goal in _ATTEND_GOAL.items():
+        out.append(Target(f"decode attend @ 8192, {dt} vs float32 (AVX2 goal)",
+                          f"precision.attend.{dt}", "<=", goal, where={"dtype": dt, "context": 8192}))
+    for dt in DTYPES:
+        out.append(Target(f"decode attend @ 8192, {dt} vs its read floor",
+                          f"precision.attend_floor.{dt}", "<=", 1.3, where={"dtype": dt, "context": 8192}))
+        out.append(Target(f"extend(512) into {dt} vs a C conversion floor", f"precision.extend.{dt}",
+                          "<=", 1.2, where={"dtype": dt}))
+    for dt in ("float32", "bfloat16"):
+        out.append(Target(f"causal chunk 256 over 2048, {dt}, vs SDPA causal", f"precision.chunk.{dt}",
+                          "<=", 1.2, where={"dtype": dt}))
+    for ctx, goal in ((2048, 0.6), (8192, 0.3)):
+        out.append(Target(f"bf16 model per token @ {ctx}, FerroxCache vs DynamicCache",
+                          "precision.hf_bf16", "<=", goal, where={"context": ctx}))
+    return out
+
+
+GROUP = Group("precision", "storage dtypes: bytes, fit, attention and conversion per dtype", run,
+              targets=targets, torch_rows="the causal-chunk rows of the precision group",
+              hf_rows="the bf16-model rows of the precision group")
