@@ -270,12 +270,38 @@ def test_plot_has_one_panel_per_question_and_targets_only_where_they_apply():
     assert all(p["kind"] != "bars" or all(b[0] in p["geos"] for b in p["bars"]) for p in ps)
 
 
+def _with_precision_rows(res):
+    for dt, b, a in (("float32", 1.0, 1.0), ("float16", 0.5, 0.9), ("bfloat16", 0.5, 1.1),
+                     ("int8", 0.266, 2.5)):
+        res.add("precision", "llama8b", f"precision.bytes.{dt}", "b", 1.0, "B", b, "float32",
+                dtype=dt)
+        for ctx in (2048, 8192):
+            res.add("precision", "llama8b", f"precision.attend.{dt}", "a", 1.0, "us/call",
+                    a * ctx / 8192, "float32", dtype=dt, context=ctx)
+    return res
+
+
+def test_plot_adds_a_dtype_panel_when_the_precision_group_ran():
+    res = _with_precision_rows(_synthetic_results())
+    ps = panels(res, evaluate(_all_targets(res), res))
+    assert [p["title"][:3] for p in ps] == ["(a)", "(b)", "(c)", "(d)"]
+    d = ps[3]
+    assert d["kind"] == "dtypes" and d["dtypes"] == ["float32", "float16", "bfloat16", "int8"]
+    (blabel, by), (alabel, att) = d["series"]
+    assert "bytes" in blabel and by["int8"] == 0.266
+    assert "8192" in alabel and att == {"float32": 1.0, "float16": 0.9, "bfloat16": 1.1,
+                                        "int8": 2.5}
+
+
 def test_plot_draws_three_panels_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")
     from ferrox_kv.bench.plot import plot
     res = _synthetic_results()
     plot(res, tmp_path / "p.png", evaluate(_all_targets(res), res), "test")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _with_precision_rows(res)
+    plot(res, tmp_path / "p4.png", evaluate(_all_targets(res), res), "test")
+    assert (tmp_path / "p4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------

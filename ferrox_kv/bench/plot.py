@@ -52,10 +52,29 @@ def _decode_panel(res):
             "text": "no per-token figures in this run\n(run the hf or attention group)"}
 
 
+def _precision_panel(res):
+    """(d), when the precision group ran: per storage dtype, its bytes per
+    position and its decode attend time at the longest context, each against
+    float32's."""
+    by = {r["dtype"]: r["ratio"] for r in res.rows if r["slug"].startswith("precision.bytes.")}
+    if not by:
+        return None
+    att = [r for r in res.rows if r["slug"].startswith("precision.attend.")]
+    ctx = max((r["context"] for r in att), default=None)
+    series = [("bytes per position (K+V, scales included)", by)]
+    if ctx is not None:
+        series.append((f"decode attend time @ {ctx}",
+                       {r["dtype"]: r["ratio"] for r in att if r["context"] == ctx}))
+    return {"kind": "dtypes", "title": "(d) storage dtypes against float32 (llama8b, pooled)",
+            "ylabel": "ratio to float32 (1 = float32; lower is better)",
+            "dtypes": list(by), "series": series}
+
+
 def panels(res, evaluated=()):
     """What the plot draws, one dict per panel: (a) per-token cost against
     context; (b) push time against its floor; (c) extend bandwidth against
-    its floor. A bar panel's ``targets`` are (geometry, op, goal) for the
+    its floor; (d), when the precision group ran, bytes and attend time per
+    storage dtype. A bar panel's ``targets`` are (geometry, op, goal) for the
     targets whose ratio is the one plotted, at the geometry they name."""
     out = [_decode_panel(res)]
     for title, ylabel, spec in _BARS:
@@ -77,6 +96,9 @@ def panels(res, evaluated=()):
                  and v.target.where.get("geometry") in geos]
         out.append({"kind": "bars", "title": title, "ylabel": ylabel, "geos": geos,
                     "bars": bars, "targets": marks})
+    precision = _precision_panel(res)
+    if precision is not None:
+        out.append(precision)
     return out
 
 
@@ -132,6 +154,24 @@ def _draw_bars(ax, p):
     ax.grid(True, axis="y", alpha=0.3)
 
 
+def _draw_dtypes(ax, p):
+    dtypes, series = p["dtypes"], p["series"]
+    width = 0.8 / len(series)
+    for j, (label, values) in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i, dt in enumerate(dtypes) if dt in values]
+        ax.bar(xs, [values[dt] for dt in dtypes if dt in values], width, label=label, color=f"C{j}")
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    top = max([v for _, values in series for v in values.values()] + [1.0])
+    ax.set_ylim(0, top * 1.4)
+    ax.set_xticks(range(len(dtypes)))
+    ax.set_xticklabels(dtypes)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+_DRAW = {"lines": _draw_lines, "bars": _draw_bars, "dtypes": _draw_dtypes}
+
+
 def plot(res, path, evaluated=(), version=""):
     """Draw ``panels(res, evaluated)`` side by side into ``path`` (PNG)."""
     import matplotlib
@@ -145,7 +185,7 @@ def plot(res, path, evaluated=(), version=""):
             ax.text(0.5, 0.5, p["text"], ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
         else:
-            (_draw_lines if p["kind"] == "lines" else _draw_bars)(ax, p)
+            _DRAW[p["kind"]](ax, p)
             ax.set_ylabel(p["ylabel"])
         ax.set_title(p["title"], fontsize=9)
     fig.suptitle(f"ferrox_kv {version} bench, {os.cpu_count()} CPUs, "
