@@ -104,7 +104,8 @@ def test_the_serve_subcommand_and_a_missing_model_dir(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ferrox_kv", "serve", "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for opt in ("--kv-gib", "--kv-blocks", "--block-size", "--dtype", "--mode", "--max-batch",
+    for opt in ("--kv-gib", "--kv-blocks", "--block-size", "--dtype", "--kv-dtype", "--mode",
+                "--max-batch",
                 "--max-queue", "--queue-timeout", "--host", "--port"):
         assert opt in out.stdout
     out = subprocess.run([sys.executable, "-m", "ferrox_kv.serve", str(tmp_path / "missing")],
@@ -133,3 +134,50 @@ def test_sampling_follows_the_softmax_at_temperature_one():
     counts = torch.bincount(torch.tensor([s.pick(logits) for _ in range(n)]), minlength=3)
     want = torch.softmax(logits, 0) * n
     assert (counts.double() - want.double()).abs().max() < 5 * want.max().sqrt()
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, want", [("float32", "auto", "float32"),
+                                                   ("bfloat16", "auto", "bfloat16"),
+                                                   ("float32", "int8", "int8"),
+                                                   ("float32", "float16", "float16")])
+def test_the_pool_stores_kv_dtype_and_kv_gib_counts_its_bytes(tmp_path, dtype, kv_dtype, want):
+    import argparse
+
+    from ferrox_kv.serve.cli import add_arguments, load
+
+    d = S.make_model_dir(tmp_path / "m", hidden=32, heads=2, kv_heads=1)
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args([str(d), "--kv-gib", "0.001", "--dtype", dtype, "--kv-dtype", kv_dtype])
+    model, _, pool = load(args)
+    assert pool.dtype == want and model.dtype == getattr(torch, dtype)
+    assert pool.total_blocks == int(0.001 * (1 << 30) // pool.block_bytes)
+    f32 = KvBlockPool(16, 1, 1, 16).block_bytes
+    assert pool.block_bytes == {"float32": f32, "float16": f32 // 2, "bfloat16": f32 // 2,
+                                "int8": 2 * 16 * (16 + 2)}[want]
+
+
+def test_an_int8_pool_serves_a_request_to_its_end(parts):
+    import threading
+
+    from ferrox_kv.serve.engine import Engine, Request, Sampling
+
+    model, tok = parts
+    pool = KvBlockPool(16, 32, 1, 16, prefix_cache=True, dtype="int8")
+    engine = Engine(model, tok, pool)
+    got, done = [], threading.Event()
+
+    def emit(kind, payload):
+        got.append(kind)
+        if kind in ("done", "error"):
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Request(list(range(3, 12)), 6, Sampling(0), emit=emit))
+        assert done.wait(60), got
+    finally:
+        engine.close()
+    assert got.count("token") >= 1 and got[-1] == "done", got
+    assert pool.used_blocks == pool.cached_blocks     # the finished request's blocks: cached
+    pool.check()

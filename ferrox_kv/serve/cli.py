@@ -15,6 +15,7 @@ import sys
 import threading
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -27,7 +28,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-blocks", type=int, default=None, help="the pool's size in blocks")
     ap.add_argument("--block-size", type=int, default=16, help="positions per block (16)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="the model's weights (the KV is stored as float32)")
+                    help="the model's weights (float32)")
+    ap.add_argument("--kv-dtype", choices=("auto",) + KV_DTYPES, default="auto",
+                    help="how the pool stores K/V; auto: the model's dtype (int8: q8_0, "
+                         "3.76x float32's sequences in the same memory)")
     ap.add_argument("--mode", choices=("batch", "threads"), default="batch",
                     help="batch: continuous batching, one forward per step over every running "
                          "sequence; threads: one thread per request, batch 1 (the baseline)")
@@ -84,7 +88,8 @@ def load(args):
     n_layers, n_kv, head_dim = kv_geometry(model.config)
     if args.block_size < 1:
         raise SystemExit("ferrox-kv serve: --block-size must be >= 1")
-    block_bytes = args.block_size * n_kv * head_dim * 2 * 4
+    kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
+    block_bytes = KvBlockPool(args.block_size, 0, n_kv, head_dim, dtype=kv_dtype).block_bytes
     blocks = args.kv_blocks
     if blocks is None:
         blocks = int((args.kv_gib if args.kv_gib is not None else 0.5) * (1 << 30) // block_bytes)
@@ -92,7 +97,7 @@ def load(args):
         raise SystemExit(f"ferrox-kv serve: a pool of {blocks} blocks cannot hold one position "
                          f"of {n_layers} layers; raise --kv-blocks or --kv-gib")
     pool = KvBlockPool(args.block_size, blocks, n_kv, head_dim,
-                       prefix_cache=not args.no_prefix_cache)
+                       prefix_cache=not args.no_prefix_cache, dtype=kv_dtype)
     return model, tokenizer, pool
 
 
