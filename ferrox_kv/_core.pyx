@@ -267,10 +267,14 @@ cdef int _dtype_code(object dtype, str name) except -1:
         if mod == "torch" or mod.startswith("torch."):
             key = str(dtype)[6:] if str(dtype).startswith("torch.") else str(dtype)
         else:
-            try:
-                key = np.dtype(dtype).name if dtype is not None else None
-            except Exception:          # numpy's own errors for what is no dtype
-                key = None
+            # numpy dtypes and scalar types only: np.dtype() would also take
+            # bytes and type codes ('f2', b'e'), which the names here do not
+            key = None
+            if isinstance(dtype, (np.dtype, type)):
+                try:
+                    key = np.dtype(dtype).name
+                except Exception:      # numpy's own errors for what is no dtype
+                    pass
             if key is None:
                 raise TypeError(f"{name} must be one of {', '.join(map(repr, DTYPES))} (or a "
                                 f"numpy / torch dtype of those), got {type(dtype).__name__}")
@@ -280,6 +284,12 @@ cdef int _dtype_code(object dtype, str name) except -1:
         raise ValueError(f"{name}={dtype!r} is not a storage dtype ferrox_kv has; accepted: "
                          f"{', '.join(map(repr, DTYPES))} (numpy's float32 / float16 / int8, "
                          "torch's float32 / float16 / bfloat16 / int8 alike)") from None
+
+
+def _dtype_name(dtype, name="dtype"):
+    """The storage dtype name of ``dtype`` as the pools and caches read it
+    (for integrations that take a ``dtype=`` of their own)."""
+    return DTYPES[_dtype_code(dtype, name)]
 
 
 cdef inline size_t _row_bytes(Py_ssize_t h, Py_ssize_t d, int dtype) noexcept nogil:
@@ -304,6 +314,10 @@ cdef object _torch_half(object x, str name):
     if dt not in ("torch.float16", "torch.bfloat16") or not dev.startswith("cpu"):
         raise TypeError(f"{name} is a torch tensor of dtype {dt} on {dev}; {_ACCEPTED_TORCH}: "
                         f"pass {name}.to('cpu', torch.float32) (or float16 / bfloat16)")
+    if str(x.layout) != "torch.strided":
+        raise TypeError(f"{name} is a torch tensor of layout {x.layout}; pass a dense one "
+                        f"({name}.to_dense())")
+    x = x.resolve_neg()                # a lazily negated view: its values, not its memory
     if not x.is_contiguous():
         x = x.contiguous()
     cdef int nd = x.dim(), i
@@ -312,7 +326,20 @@ cdef object _torch_half(object x, str name):
         raise ValueError(f"{name} has {nd} dimensions")
     for i in range(nd):
         dims[i] = <cnp.npy_intp>x.shape[i]
-    cdef size_t ptr = <size_t>x.data_ptr()
+    cdef size_t ptr = 0
+    cdef Py_ssize_t n = x.numel()
+    if n:
+        # the memory read must be the tensor's own: a fake or meta-like tensor
+        # has none (data_ptr 0), a resized storage less than its shape says
+        try:
+            held = x.untyped_storage().nbytes()
+            ptr = <size_t>x.data_ptr()
+        except Exception:
+            held = -1
+        if ptr == 0 or held < (x.storage_offset() + n) * 2:
+            raise TypeError(f"{name} is a torch tensor without memory for its {n} values (a "
+                            "fake tensor, or one whose storage was resized); pass a tensor "
+                            "that holds its data")
     cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, cnp.NPY_UINT16, <void*>ptr)
     cnp.set_array_base(arr, x)
     cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
@@ -327,7 +354,7 @@ cdef tuple _rows_in(object x, str name):
     if cnp.PyArray_Check(x):
         if _is_f32(x):
             return x, FX_F32
-        if (cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT16
+        if (cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT16 and cnp.PyArray_NDIM(x) > 0
                 and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x)):
             _check_within_buffer(x, name)
             return np.ascontiguousarray(x), FX_F16

@@ -710,8 +710,10 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         cnp.PyArray_CLEARFLAGS(raw, cnp.NPY_ARRAY_WRITEABLE)
         shape = (p.total, p.block_size, self.n_kv_heads, last)
         strides = (<Py_ssize_t>(p.block_size * row), <Py_ssize_t>row, last * item, item)
+        # a pool of no blocks: an empty view at offset 0 (past a 0-byte buffer
+        # numpy refuses any offset)
         return np.ndarray(shape, cnp.PyArray_DescrFromType(typ), buffer=raw,
-                          offset=<Py_ssize_t>(data - base), strides=strides)
+                          offset=<Py_ssize_t>(data - base) if p.total else 0, strides=strides)
 
     @property
     def key_blocks(self):

@@ -93,7 +93,7 @@ except ImportError as e:
         f"(on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
 
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted, attend_many
-from ferrox_kv._core import _assign, _extend_each
+from ferrox_kv._core import _assign, _dtype_name, _extend_each
 
 __all__ = ["ATTENTION", "FerroxCache", "FerroxLayer", "ferrox_attention", "kv_geometry"]
 
@@ -122,14 +122,12 @@ _STORAGE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: 
 def _storage_dtype(dtype) -> str:
     """A FerroxCache ``dtype=`` (not "auto") as a storage dtype name: a name
     ferrox_kv stores, or a torch dtype of one (``torch.int8`` included)."""
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    else:
-        name = dtype
-    if name not in DTYPES:
+    try:
+        return str(_dtype_name(dtype))          # the core's reading: one rule for every API
+    except (TypeError, ValueError):
         raise ValueError(f"dtype={dtype!r}: FerroxCache stores 'auto' (the model's dtype), "
-                         f"{', '.join(map(repr, DTYPES))} or the torch dtypes of those")
-    return name
+                         f"{', '.join(map(repr, DTYPES))} or the numpy / torch dtypes of "
+                         "those") from None
 
 
 def _model_storage(dtype) -> str:

@@ -84,12 +84,15 @@ def test_a_half_model_with_auto_storage_is_token_identical_to_dynamic_cache_thro
         pool.check()
 
 
-@pytest.mark.parametrize("spelling", ["bfloat16", torch.bfloat16, "int8", torch.int8, "float16"])
+@pytest.mark.parametrize("spelling", ["bfloat16", torch.bfloat16, "int8", torch.int8, "float16",
+                                      np.float16, np.dtype("int8")])
 def test_an_explicit_dtype_chooses_the_storage_whatever_the_model_runs_in(spelling):
+    # the spellings the core takes, read back as the core's names (a str)
     model = _llama()
     cache = FerroxCache(model.config, dtype=spelling)
-    name = spelling if isinstance(spelling, str) else str(spelling).removeprefix("torch.")
-    assert cache.dtype == name
+    name = spelling if isinstance(spelling, str) else np.dtype(spelling).name if not isinstance(
+        spelling, torch.dtype) else str(spelling).removeprefix("torch.")
+    assert cache.dtype == name and type(cache.dtype) is str
     _gen(model, _prompt(8), cache, max_new_tokens=4)
     assert {c.dtype for layer in cache.layers for c in layer.seqs} == {name}
     assert cache.dtype == name                           # "auto" only settles itself

@@ -65,7 +65,8 @@ def test_repr_names_a_reduced_dtype():
     assert "dtype" not in repr(KvBlockPool(4, 2, 1, 8))
 
 
-@pytest.mark.parametrize("bad", ["float64", "fp16", "int4", np.float64, np.int32, "Float16"])
+@pytest.mark.parametrize("bad", ["float64", "fp16", "int4", np.float64, np.int32, "Float16",
+                                 "half", "f2", "e"])
 def test_an_unknown_dtype_is_a_value_error_that_lists_what_is_accepted(bad):
     for make in (lambda: KvBlockPool(4, 2, 1, 8, dtype=bad), lambda: KvCache(1, 8, dtype=bad),
                  lambda: KvCache.with_capacity(1, 8, 4, dtype=bad)):
@@ -73,7 +74,8 @@ def test_an_unknown_dtype_is_a_value_error_that_lists_what_is_accepted(bad):
             make()
 
 
-@pytest.mark.parametrize("bad", [5, 2.0, object(), [np.float16]])
+@pytest.mark.parametrize("bad", [5, 2.0, object(), [np.float16], None, True, b"half", b"f2",
+                                 b"float16"])
 def test_a_dtype_that_is_no_dtype_at_all_is_a_type_error(bad):
     with pytest.raises(TypeError, match="dtype must be one of"):
         KvCache(1, 8, dtype=bad)
@@ -269,6 +271,68 @@ def test_a_torch_tensor_of_another_dtype_says_what_is_accepted_and_changes_nothi
             push_layers([c], bad[None], bad[None])
     assert c.seq_len == before[0] and np.array_equal(c.k, before[1]) and pool.stats() == before[2]
     pool.check()
+
+
+@needs_torch
+def test_a_torch_half_tensor_without_memory_for_its_values_is_refused_and_changes_nothing():
+    # the core reads a half tensor's memory through data_ptr(): a fake tensor has
+    # none (0), a tensor whose storage was resized has less than its shape says
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake(*shape):
+        with FakeTensorMode():
+            return torch.empty(*shape, dtype=torch.float16)
+
+    def shrunk(*shape):
+        t = torch.ones(*shape, dtype=torch.bfloat16)
+        t.untyped_storage().resize_(2)
+        return t
+
+    pool = KvBlockPool(2, 8, 2, 8, dtype="float16")
+    c = KvCache.with_pool(2, 8, pool, 4)
+    c.push(np.ones(16, np.float32), np.ones(16, np.float32))
+    before = (c.seq_len, c.k.copy(), pool.stats())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # torch warns of a fake tensor's data_ptr
+        for make in (fake, shrunk):
+            with pytest.raises(TypeError, match="without memory for its 16 values"):
+                c.push(make(2, 8), make(2, 8))
+            with pytest.raises(TypeError, match="without memory for its 32 values"):
+                c.extend(make(2, 2, 8), make(2, 2, 8))
+    assert c.seq_len == before[0] and np.array_equal(c.k, before[1]) and pool.stats() == before[2]
+    pool.check()
+
+
+@needs_torch
+def test_a_negated_view_of_a_half_tensor_is_stored_with_its_values():
+    n = torch._neg_view(torch.tensor([[1.5, -2.0]], dtype=torch.float16))
+    for dtype in DTYPES:
+        c = KvCache(1, 2, dtype=dtype)
+        c.push(n, n)
+        np.testing.assert_allclose(values(c.k).reshape(-1), [-1.5, 2.0], rtol=0.01)
+
+
+@needs_torch
+def test_a_sparse_half_tensor_is_a_type_error():
+    c = KvCache(2, 8, dtype="int8")
+    sparse = torch.ones(2, 8, dtype=torch.float16).to_sparse()
+    with pytest.raises(TypeError, match="to_dense"):
+        c.push(sparse, sparse)
+    assert c.seq_len == 0
+
+
+def test_a_zero_d_float16_array_is_refused_as_other_zero_d_inputs_are():
+    for x in (np.array(2.0, np.float16), np.array(2.0, np.float32)):
+        with pytest.raises(ValueError):
+            KvCache(1, 1, dtype="float16").push(x, x)
+
+
+def test_an_int8_pool_of_no_blocks_has_empty_scale_views():
+    pool = KvBlockPool(4, 0, 2, 32, dtype="int8")
+    assert pool.key_scales.shape == pool.value_scales.shape == (0, 4, 2, 1)
+    assert pool.key_blocks.shape == (0, 4, 2, 32)
 
 
 # -- every path, every dtype --------------------------------------------------------------
