@@ -242,7 +242,14 @@ FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
 typedef uint16_t fxa_v8h __attribute__((vector_size(16), aligned(1), may_alias));
 typedef int8_t fxa_v8b __attribute__((vector_size(8), aligned(1), may_alias));
 #define fxa_load_bf16(p) ((fxa_v8)(__builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i) << 16))
-#define fxa_load_i8(p, sc) (__builtin_convertvector(*(const fxa_v8b *)(const void *)(p), fxa_v8) * fxa_splat(sc))
+/* int8 widens through int16 and int32: gcc 12 turns a direct int8 -> float
+   conversion of 8 lanes into 8 scalar conversions (vpmovsxbw/vpmovsxwd +
+   vcvtdq2ps in v3, punpck + cvtdq2ps in the baseline this way). */
+typedef int16_t fxa_v8w __attribute__((vector_size(16)));
+#define fxa_load_i8(p, sc)                                                                                     \
+    (__builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const fxa_v8b *)(const void *)(p), \
+                                                                             fxa_v8w), fxa_v8i), fxa_v8) *      \
+     fxa_splat(sc))
 /* float16, exact, as fx_f16_to_f32 */
 #define fxa_load_f16(p) __extension__({                                                              \
     const fxa_v8i x_ = __builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i);          \
