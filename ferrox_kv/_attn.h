@@ -242,7 +242,14 @@ FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
 typedef uint16_t fxa_v8h __attribute__((vector_size(16), aligned(1), may_alias));
 typedef int8_t fxa_v8b __attribute__((vector_size(8), aligned(1), may_alias));
 #define fxa_load_bf16(p) ((fxa_v8)(__builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i) << 16))
-#define fxa_load_i8(p, sc) (__builtin_convertvector(*(const fxa_v8b *)(const void *)(p), fxa_v8) * fxa_splat(sc))
+/* int8 widens through int16 and int32: gcc 12 turns a direct int8 -> float
+   conversion of 8 lanes into 8 scalar conversions (vpmovsxbw/vpmovsxwd +
+   vcvtdq2ps in v3, punpck + cvtdq2ps in the baseline this way). */
+typedef int16_t fxa_v8w __attribute__((vector_size(16)));
+#define fxa_load_i8(p, sc)                                                                                     \
+    (__builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const fxa_v8b *)(const void *)(p), \
+                                                                             fxa_v8w), fxa_v8i), fxa_v8) *      \
+     fxa_splat(sc))
 /* float16, exact, as fx_f16_to_f32 */
 #define fxa_load_f16(p) __extension__({                                                              \
     const fxa_v8i x_ = __builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i);          \
@@ -292,7 +299,7 @@ FX_INLINE fxa_v8 fxa_load_i8(const char *p, float sc) { fxa_v8 v; int i; for (i 
    offset e of a row; sc: the int8 group's scale.  dt is a constant in every
    instantiation, so each load compiles to its dtype's instructions alone.
    FXA_F16C: float16 read by F16C (only in code built for x86-64-v3). */
-#define FXA_F16C 4
+#define FXA_F16C FX_F16C /* _conv.h */
 #define FXA_LD(dt, row, e, sc)                                                                   \
     ((dt) == FX_F32 ? fxa_load_f32((const float *)(const void *)(row) + (e))                         \
      : (dt) == FX_BF16 ? fxa_load_bf16((row) + 2 * (size_t)(e))                                  \
@@ -822,23 +829,6 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
         }
 }
 
-/* 1 when this CPU runs the x86-64-v3 clone (the test the ifunc resolver makes). */
-static inline FX_UNUSED int fxa_cpu_v3(void)
-{
-#if FX_ATTN_CLONES
-    static int v = -1;
-    int x = __atomic_load_n(&v, __ATOMIC_RELAXED);
-    if (x < 0) {
-        __builtin_cpu_init();
-        x = __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
-        __atomic_store_n(&v, x, __ATOMIC_RELAXED);
-    }
-    return x;
-#else
-    return 0;
-#endif
-}
-
 #if FX_ATTN_CLONES && FXA_HAVE_F16C
 /* float16 through F16C: the one instantiation built for x86-64-v3 outside
    the clones (the baseline clone must not contain vcvtph2ps). */
@@ -856,7 +846,7 @@ FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a
     switch (kv->dtype) {
     case FX_F16:
 #if FX_ATTN_CLONES && FXA_HAVE_F16C
-        if (fxa_cpu_v3()) fxa_attend_f16c(kv, a, q, out, scratch);
+        if (fx_cpu_v3()) fxa_attend_f16c(kv, a, q, out, scratch);
         else fxa_attend_body(kv, a, q, out, scratch, FX_F16);
 #elif FXA_HAVE_F16C
         fxa_attend_body(kv, a, q, out, scratch, FXA_F16C);
@@ -907,7 +897,7 @@ static inline FX_UNUSED const char *fx_attend_load_path(int dtype)
     case FX_F32: return "float32: vector loads";
     case FX_F16:
 #if FX_ATTN_CLONES && FXA_HAVE_F16C
-        if (fxa_cpu_v3()) return "float16: F16C vcvtph2ps";
+        if (fx_cpu_v3()) return "float16: F16C vcvtph2ps";
 #elif FXA_HAVE_F16C
         return "float16: F16C vcvtph2ps (compile-time)";
 #endif

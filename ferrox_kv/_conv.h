@@ -18,6 +18,13 @@
  *            inf (so the group reads back as NaN), q = 0.
  * Rows are packed (row stride = fx_row_bytes) and read and written with
  * unaligned accesses.  Same-dtype copies are memcpy of row bytes.
+ *
+ * One loop per job: fx_row_from_f32 / fx_row_to_f32 / fx_row_from_half are
+ * always_inline and instantiated with the dtype a constant by the outer
+ * functions, which alone carry the target_clones dispatch.  float16 stores
+ * from float32 go through F16C's vcvtps2ph where the CPU runs the v3 clone
+ * (fx_rows_from_f32_f16c; its rounding is fx_f32_to_f16's, bit for bit);
+ * the int8 group loops are branch-free so that every clone vectorises them.
  */
 #ifndef FX_CONV_H
 #define FX_CONV_H
@@ -43,9 +50,50 @@ enum { FX_F32 = 0, FX_F16 = 1, FX_BF16 = 2, FX_I8 = 3 };
 
 #if defined(__GNUC__) || defined(__clang__)
 #define FX_CONV_UNUSED __attribute__((unused))
+#define FX_CONV_INLINE static inline __attribute__((always_inline))
 #else
 #define FX_CONV_UNUSED
+#define FX_CONV_INLINE static inline
 #endif
+
+/* F16C (vcvtps2ph) for float32 -> float16 stores: only in code built for
+   x86-64-v3 (the builtin is checked where it is expanded, so it may sit in
+   an always_inline helper the baseline clone also inlines, as long as only
+   code built for x86-64-v3 reaches it).  FX_F16C: the float16 dtype read
+   through F16C by the attention kernel, never stored in a cache. */
+#define FX_F16C 4
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) \
+    && (FX_ATTN_CLONES || (defined(__F16C__) && defined(__AVX__)))
+#define FX_HAVE_F16C 1
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* the F16C builtins take and return vectors */
+#endif
+typedef short fx_v8s __attribute__((vector_size(16), aligned(1), may_alias));
+typedef float fx_v8fu __attribute__((vector_size(32), aligned(4), may_alias));
+/* 8 float32 at src -> 8 float16 at dst, round to nearest even */
+#define fx_st8_f16c(dst, src) \
+    ((void)(*(fx_v8s *)(void *)(dst) = __builtin_ia32_vcvtps2ph256(*(const fx_v8fu *)(const void *)(src), 0)))
+#else
+#define FX_HAVE_F16C 0
+#endif
+
+/* 1 when this CPU runs the x86-64-v3 clones (the test the ifunc resolver makes). */
+static inline FX_CONV_UNUSED int fx_cpu_v3(void)
+{
+#if FX_ATTN_CLONES
+    static int v = -1;
+    int x = __atomic_load_n(&v, __ATOMIC_RELAXED);
+    if (x < 0) {
+        __builtin_cpu_init();
+        x = __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
+        __atomic_store_n(&v, x, __ATOMIC_RELAXED);
+    }
+    return x;
+#else
+    return 0;
+#endif
+}
 
 /* float16 scale groups per head, and bytes per stored row. */
 static inline FX_CONV_UNUSED size_t fx_i8_groups(int head_dim) { return ((size_t)head_dim + FX_I8_GROUP - 1) / FX_I8_GROUP; }
@@ -99,47 +147,47 @@ static inline uint16_t fx_f32_to_bf16(float f)
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-/* Round to nearest even for |v| < 2^22 (the adds round in the default mode). */
-static inline float fx_rint_small(float v)
+/* One int8 group of n <= 32 values: q[0..n), its scale in *scale.  The
+   loops run over a zero-padded group of 32 with no branch, so that the
+   compiler vectorises them in every clone: amax is the largest |x| bit
+   pattern (for |x| the integer order is the float order, and a NaN or an
+   inf is >= 0x7f800000); rounding to nearest even adds and subtracts
+   1.5 * 2^23 with x's sign (|x / s| <= 127 < 2^22). */
+FX_CONV_INLINE void fx_q8_group(const float *x, int n, int8_t *q, uint16_t *scale)
 {
-    const float big = 12582912.0f; /* 1.5 * 2^23 */
-    return v >= 0 ? (v + big) - big : (v - big) + big;
-}
-
-/* One int8 group of n <= 32 values: q[0..n), its scale in *scale. */
-static inline void fx_q8_group(const float *x, int n, int8_t *q, uint16_t *scale)
-{
-    float amax = 0.0f, sf;
-    int i, bad = 0;
+    float t[FX_I8_GROUP], sf;
+    int8_t qt[FX_I8_GROUP];
+    uint32_t amax = 0;
     uint16_t h;
-    for (i = 0; i < n; i++) {
-        const float a = x[i] < 0 ? -x[i] : x[i];
-        bad |= !(a <= 3.4028234663852886e38f); /* NaN or inf */
+    int i;
+    memset(t, 0, sizeof t);
+    memcpy(t, x, (size_t)n * sizeof(float));
+    for (i = 0; i < FX_I8_GROUP; i++) {
+        const uint32_t a = fx_f2u(t[i]) & 0x7fffffffu;
         amax = a > amax ? a : amax;
     }
-    if (bad || amax == 0.0f) {
-        for (i = 0; i < n; i++) {
-            const float a = x[i] < 0 ? -x[i] : x[i];
-            if (a != a) amax = a;
-        }
-        for (i = 0; i < n; i++) q[i] = 0;
-        *scale = amax != amax ? 0x7e00u : bad ? 0x7c00u : 0;
+    if (amax == 0 || amax >= 0x7f800000u) {
+        memset(q, 0, (size_t)n);
+        *scale = amax > 0x7f800000u ? 0x7e00u : amax ? 0x7c00u : 0;
         return;
     }
-    h = fx_f32_to_f16(amax / 127.0f);
+    h = fx_f32_to_f16(fx_u2f(amax) / 127.0f);
     if (h >= 0x7c00u) h = 0x7bffu;
     sf = fx_f16_to_f32(h);
-    if (h < 0x7bffu && !(amax / sf <= 127.0f)) sf = fx_f16_to_f32(++h);
-    for (i = 0; i < n; i++) {
-        float v = fx_rint_small(x[i] / sf);
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        q[i] = (int8_t)v;
+    if (h < 0x7bffu && !(fx_u2f(amax) / sf <= 127.0f)) sf = fx_f16_to_f32(++h);
+    for (i = 0; i < FX_I8_GROUP; i++) {
+        const float v = t[i] / sf, big = fx_u2f(0x4b400000u | (fx_f2u(v) & 0x80000000u));
+        float r = (v + big) - big;
+        r = r > 127.0f ? 127.0f : r;
+        r = r < -127.0f ? -127.0f : r;
+        qt[i] = (int8_t)(int32_t)r;
     }
+    memcpy(q, qt, (size_t)n);
     *scale = h;
 }
 
 /* One stored row of each dtype from / to float32 (n_heads * head_dim values). */
-static inline void fx_row_from_f32(char *dst, const float *src, int n_heads, int head_dim, int dtype)
+FX_CONV_INLINE void fx_row_from_f32(char *dst, const float *src, int n_heads, int head_dim, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     size_t i;
@@ -162,7 +210,7 @@ static inline void fx_row_from_f32(char *dst, const float *src, int n_heads, int
     }
 }
 
-static inline void fx_row_to_f32(float *dst, const char *src, int n_heads, int head_dim, int dtype)
+FX_CONV_INLINE void fx_row_to_f32(float *dst, const char *src, int n_heads, int head_dim, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     size_t i;
@@ -183,6 +231,35 @@ static inline void fx_row_to_f32(float *dst, const char *src, int n_heads, int h
     }
 }
 
+#if FX_HAVE_F16C
+/* One float16 row of n values from float32 through F16C (code built for
+   x86-64-v3 only); the tail rounds as vcvtps2ph does. */
+FX_CONV_INLINE void fx_row_f16c_from_f32(char *dst, const float *src, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) fx_st8_f16c(dst + 2 * i, src + i);
+    for (; i < n; i++) fx_st16(dst + 2 * i, fx_f32_to_f16(src[i]));
+}
+#endif
+
+#define FX_ROWS_FROM(DT)                                                                                         \
+    for (r = 0; r < n_rows; r++)                                                                                 \
+        fx_row_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats, n_heads, head_dim, DT); \
+    break;
+#if FX_ATTN_CLONES && FX_HAVE_F16C
+/* float16 stores through F16C: the one instantiation built for x86-64-v3
+   outside the clones (the baseline clone must not contain vcvtps2ph). */
+__attribute__((target("arch=x86-64-v3"))) static FX_CONV_UNUSED void
+fx_rows_from_f32_f16c(void *dst, size_t dst_row, const float *src, size_t src_row_floats, ptrdiff_t n_rows, int n_heads,
+                      int head_dim)
+{
+    ptrdiff_t r;
+    for (r = 0; r < n_rows; r++)
+        fx_row_f16c_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats,
+                             (size_t)n_heads * (size_t)head_dim);
+}
+#endif
+
 /* n_rows float32 rows (src_row_floats apart) -> stored rows of dtype
    (dst_row bytes apart). */
 FX_CLONES static FX_CONV_UNUSED void fx_rows_from_f32(void *dst, size_t dst_row, const float *src, size_t src_row_floats,
@@ -190,17 +267,27 @@ FX_CLONES static FX_CONV_UNUSED void fx_rows_from_f32(void *dst, size_t dst_row,
 {
     ptrdiff_t r;
     switch (dtype) {
-#define FX_ROWS_FROM(DT)                                                                                         \
-    for (r = 0; r < n_rows; r++)                                                                                 \
-        fx_row_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats, n_heads, head_dim, DT); \
-    break;
     case FX_F32: FX_ROWS_FROM(FX_F32)
-    case FX_F16: FX_ROWS_FROM(FX_F16)
+    case FX_F16:
+#if FX_ATTN_CLONES && FX_HAVE_F16C
+        if (fx_cpu_v3()) {
+            fx_rows_from_f32_f16c(dst, dst_row, src, src_row_floats, n_rows, n_heads, head_dim);
+            break;
+        }
+        FX_ROWS_FROM(FX_F16)
+#elif FX_HAVE_F16C
+        for (r = 0; r < n_rows; r++)
+            fx_row_f16c_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats,
+                                 (size_t)n_heads * (size_t)head_dim);
+        break;
+#else
+        FX_ROWS_FROM(FX_F16)
+#endif
     case FX_BF16: FX_ROWS_FROM(FX_BF16)
     case FX_I8: FX_ROWS_FROM(FX_I8)
-#undef FX_ROWS_FROM
     }
 }
+#undef FX_ROWS_FROM
 
 /* n_rows stored rows of dtype (src_row bytes apart) -> float32 rows
    (dst_row_floats apart). */
@@ -223,7 +310,7 @@ FX_CLONES static FX_CONV_UNUSED void fx_rows_to_f32(float *dst, size_t dst_row_f
 
 /* One row of float16 (src_dtype FX_F16) or bfloat16 (FX_BF16) values ->
    a stored row of dtype, through float32 (exact) in groups of 32. */
-static inline void fx_row_from_half(char *dst, const uint16_t *src, int n_heads, int head_dim, int src_dtype, int dtype)
+FX_CONV_INLINE void fx_row_from_half(char *dst, const uint16_t *src, int n_heads, int head_dim, int src_dtype, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     float tmp[FX_I8_GROUP];
