@@ -81,13 +81,16 @@ cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
     """Append ``t`` rows to each of ``n`` claimed, open caches of one geometry
     and dtype (``owners[i]`` is the KvCache of ``cs[i]``): rows ``i*t ..
     i*t+t-1`` of ``k_src``/``v_src`` (values of ``src``: FX_F32 / FX_F16 /
-    FX_BF16) go to cache i, converted to its dtype; NULL sources append
-    zeros. All or nothing: every buffer and block any cache needs is
+    FX_BF16) go to cache i, converted to its dtype, or SRC_STORED rows in
+    the caches' own format; NULL sources append zeros. All or nothing: every buffer and block any cache needs is
     obtained before a row is written. The copies run in one loop, without
     the GIL when they pay."""
     cdef Py_ssize_t i
     cdef size_t item = _src_size(src)
     cdef size_t kw = <size_t>cs[0].kw * item, vw = <size_t>cs[0].vw * item   # bytes per row
+    if src == SRC_STORED:
+        kw = cs[0].k_row
+        vw = cs[0].v_row
     cdef size_t kbytes = <size_t>(n * t) * kw
     cdef size_t vbytes = <size_t>(n * t) * vw
     cdef const char* kp = <const char*>k_src

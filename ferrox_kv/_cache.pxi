@@ -576,6 +576,53 @@ K and V rows of one sequence in one layer.
         finally:
             _leave(self)
 
+    def _stored(self):
+        """(k, v): copies of the stored rows as bytes, uint8 ``(seq_len,
+        row_bytes)`` (int8: scales included), for ``ferrox_kv.store``."""
+        cdef cnp.ndarray k, v
+        _enter(self)
+        try:
+            k = np.empty((self.c.len, self.c.k_row), np.uint8)
+            v = np.empty((self.c.len, self.c.v_row), np.uint8)
+            _gather_rows(&self.c, self.c.len, cnp.PyArray_DATA(k), cnp.PyArray_DATA(v))
+        finally:
+            _leave(self)
+        return k, v
+
+    def _extend_stored(self, k_rows, v_rows):
+        """Append rows given as stored bytes (what ``_stored`` returns: C-contiguous
+        uint8 ``(T, row_bytes)``), all or nothing, as ``extend``."""
+        cdef Cache* c = &self.c
+        cdef cnp.ndarray ka, va
+        _enter(self)
+        try:
+            if (not isinstance(k_rows, np.ndarray) or not isinstance(v_rows, np.ndarray)
+                    or k_rows.dtype != np.uint8 or v_rows.dtype != np.uint8
+                    or k_rows.ndim != 2 or v_rows.ndim != 2
+                    or k_rows.shape[1] != c.k_row or v_rows.shape[1] != c.v_row
+                    or k_rows.shape[0] != v_rows.shape[0]):
+                raise ValueError(f"stored rows must be uint8 (T, {c.k_row}) and "
+                                 f"(T, {c.v_row}) arrays of one T")
+            ka = np.ascontiguousarray(k_rows)
+            va = np.ascontiguousarray(v_rows)
+            _append_each((self,), &c, 1, ka.shape[0], cnp.PyArray_DATA(ka),
+                         cnp.PyArray_DATA(va), SRC_STORED)
+        finally:
+            _leave(self)
+
+    def save(self, path, *, fingerprint=None):
+        """Park this conversation in the file ``path`` (atomic; its rows as
+        stored, checksummed); see ``ferrox_kv.store.save_cache``."""
+        from ferrox_kv.store._cache import save_cache
+        return save_cache(self, path, fingerprint=fingerprint)
+
+    @staticmethod
+    def load(path, *, fingerprint=None, pool=None, max_seq_len=None):
+        """A cache holding the conversation saved in ``path`` (verified
+        first); see ``ferrox_kv.store.load_cache``."""
+        from ferrox_kv.store._cache import load_cache
+        return load_cache(path, fingerprint=fingerprint, pool=pool, max_seq_len=max_seq_len)
+
     def extend(self, k_steps, v_steps):
         """Append T positions at once (prefill, a batch of drafts).
 
@@ -869,6 +916,9 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         per = 1
     if count == 0:
         return out
+    if m_max and pool._store is not None:  # blocks missing here, read through the store
+        from ferrox_kv.store._pool import read_through
+        read_through(pool, toks[:min(m_max, p.total) * bs], salt, count)
     if per > p.total or count > p.total // per:  # before sizing memory by the request
         raise KvPoolExhausted(per * count, pool_refuse(p))
     if m_max > p.total:

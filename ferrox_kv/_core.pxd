@@ -27,6 +27,8 @@ cdef extern from "_fx.h" nogil:
     bint fx_overlap(const void* a, size_t an, const void* b, size_t bn)
     uint64_t fx_block_key(uint64_t parent, const int32_t* tokens, Py_ssize_t n,
                           uint64_t layers, uint64_t salt)
+    void fx_copy_blocks(char* arena, size_t block, const int32_t* ids, Py_ssize_t n,
+                        Py_ssize_t stride, char* buf, bint into_arena)
     float fx_read_rows(const float* p, Py_ssize_t n, Py_ssize_t width, Py_ssize_t stride)
     # storage dtypes and row conversions (_conv.h)
     enum:
@@ -192,6 +194,19 @@ cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
 cdef void cache_detach(Cache* c) noexcept nogil
 cdef void pool_link(Pool* p, Cache** cs, Py_ssize_t n) noexcept nogil
 cdef int pool_check(Pool* p, Py_ssize_t* where) noexcept nogil
+cdef Py_ssize_t pool_export(Pool* p, int32_t* layers, int32_t* order, int32_t* salt,
+                            int32_t* parent, int32_t* depth, int32_t* tokens,
+                            int32_t* ids) noexcept nogil
+cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64_t* keys,
+                             const int32_t* tokens, const int32_t* salt,
+                             const int32_t* parent, bint fit, int32_t* ent, int32_t* slot,
+                             int32_t* share, int32_t* fresh, Py_ssize_t* taken,
+                             Py_ssize_t* n_new, BlockReq* r) noexcept nogil
+cdef Py_ssize_t pool_import_publish(Pool* p, int32_t layers, Py_ssize_t m, Py_ssize_t n_new,
+                                    const uint64_t* keys, const int32_t* tokens,
+                                    const int32_t* salt, const int32_t* parent, int32_t* ent,
+                                    const int32_t* slot, int32_t* fresh,
+                                    int32_t** tables) noexcept nogil
 
 
 @cython.final
@@ -201,6 +216,7 @@ cdef class KvBlockPool:
     cdef readonly Py_ssize_t head_dim
     cdef readonly Py_ssize_t v_head_dim
     cdef dict _salts          # salt -> id, for the prefix cache
+    cdef object _store        # an attached prefix store (ferrox_kv.store), or None
     cdef object _arena_view(self, char* base, Py_ssize_t dim, size_t row, bint scales)
     cdef int32_t _salt_id(self, salt) except -1
 

@@ -6,6 +6,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <pthread.h>
 #include <sys/mman.h>
 
@@ -89,6 +90,20 @@ static inline uint64_t fx_block_key(uint64_t parent, const int32_t *tokens, ptrd
     for (i = 0; i < n; i++)
         h = fx_mix64(h + (uint64_t)(uint32_t)tokens[i] + 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1));
     return h;
+}
+
+/* Copy n whole blocks of `block` bytes between an arena and a packed buffer:
+ * block ids[i * stride] of the arena and bytes [i * block, (i + 1) * block) of
+ * `buf`, into the arena when `into_arena`, out of it otherwise. The caller
+ * holds every block (none is freed or rewritten meanwhile); no GIL needed. */
+static inline void fx_copy_blocks(char *arena, size_t block, const int32_t *ids, ptrdiff_t n,
+                                  ptrdiff_t stride, char *buf, int into_arena) {
+    ptrdiff_t i;
+    for (i = 0; i < n; i++) {
+        char *a = arena + (size_t)ids[i * stride] * block;
+        if (into_arena) memcpy(a, buf + (size_t)i * block, block);
+        else memcpy(buf + (size_t)i * block, a, block);
+    }
 }
 
 /* The read floor of the benchmarks: every float of n rows of `width`

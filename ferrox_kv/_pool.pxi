@@ -653,7 +653,8 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         least one block, or none: every reservation with ``tokens=`` is one
         lookup, one of the two; tokens shorter than a block are a miss),
         ``hit_tokens`` (positions reused) and ``evictions`` (cached blocks
-        given to other requests).
+        given to other requests). With a store attached (``attach``), its
+        ``stats()`` too, each key prefixed ``store_``.
         """
         cdef Pool* p = self.p
         cdef Py_ssize_t used, high, cached = 0
@@ -672,7 +673,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
                 toks = p.prefix.hit_tokens
                 ev = p.prefix.evictions
             pthread_mutex_unlock(&p.lock)
-        return {
+        out = {
             "total_blocks": p.total,
             "free_blocks": p.total - used,
             "used_blocks": used,
@@ -688,6 +689,10 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             "hit_tokens": toks,
             "evictions": ev,
         }
+        if self._store is not None:
+            for name, value in self._store.stats().items():
+                out["store_" + name] = value
+        return out
 
     cdef object _arena_view(self, char* base, Py_ssize_t dim, size_t row, bint scales):
         """A read-only view of an arena (keeps the pool alive): the values,
@@ -875,7 +880,223 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             free(tables)
             free(keys)
             _release_all(cs, n)
+        if self._store is not None and done:
+            from ferrox_kv.store._pool import write_through
+            write_through(self, cl, toks[:done * p.block_size], salt)
         return done * p.block_size
+
+    def _export_prefixes(self, n_layers=0):
+        """Every published prefix entry of ``n_layers`` layers (0: the one
+        layer count all entries have; ``ValueError`` when they have several),
+        parents first: ``(n_layers, salts, parents, depths, tokens, k, v)``
+        with ``parents[i] < i`` the index of entry i's parent (-1 at depth 0),
+        ``tokens`` int32 ``(n, block_size)``, ``k``/``v`` uint8 ``(n,
+        n_layers, block_size, row_bytes)``: the stored rows, copied into
+        private buffers without the GIL while the pool lock is not held (the
+        blocks are held meanwhile, so no entry is evicted or rewritten)."""
+        cdef Pool* p = self.p
+        cdef int32_t layers = <int32_t>_count(n_layers, "n_layers", 0)
+        cdef Py_ssize_t n = 0, cap = p.total if p.total > 0 else 1
+        cdef int32_t* order = NULL
+        cdef int32_t* salt = NULL
+        cdef int32_t* par = NULL
+        cdef int32_t* dep = NULL
+        cdef int32_t* tok = NULL
+        cdef int32_t* ids = NULL
+        cdef bint held = False
+        cdef cnp.ndarray k, v, toks, parents, depths
+        if p.prefix == NULL:
+            raise ValueError("this pool has no prefix cache: KvBlockPool(..., prefix_cache=True)")
+        try:
+            order = <int32_t*>malloc(<size_t>cap * sizeof(int32_t))
+            salt = <int32_t*>malloc(<size_t>cap * sizeof(int32_t))
+            par = <int32_t*>malloc(<size_t>cap * sizeof(int32_t))
+            dep = <int32_t*>malloc(<size_t>cap * sizeof(int32_t))
+            tok = <int32_t*>malloc(<size_t>cap * <size_t>p.block_size * sizeof(int32_t))
+            ids = <int32_t*>malloc(<size_t>cap * sizeof(int32_t))
+            if not (order and salt and par and dep and tok and ids):
+                raise MemoryError()
+            with nogil:
+                n = pool_export(p, &layers, order, salt, par, dep, tok, ids)
+            if n < 0:
+                raise ValueError("this pool's prefix entries were published with different "
+                                 "layer counts: pass n_layers= to choose one")
+            held = True
+            if layers == 0:
+                layers = 1              # an empty export
+            toks = np.empty((n, p.block_size), np.int32)
+            parents = np.empty(n, np.int32)
+            depths = np.empty(n, np.int32)
+            k = np.empty((n, layers, p.block_size, p.k_row), np.uint8)
+            v = np.empty((n, layers, p.block_size, p.v_row), np.uint8)
+            if n:
+                memcpy(cnp.PyArray_DATA(toks), tok, <size_t>(n * p.block_size) * sizeof(int32_t))
+                memcpy(cnp.PyArray_DATA(parents), par, <size_t>n * sizeof(int32_t))
+                memcpy(cnp.PyArray_DATA(depths), dep, <size_t>n * sizeof(int32_t))
+            with nogil:
+                fx_copy_blocks(p.k_arena, p.k_block, ids, n * layers, 1,
+                               <char*>cnp.PyArray_DATA(k), False)
+                fx_copy_blocks(p.v_arena, p.v_block, ids, n * layers, 1,
+                               <char*>cnp.PyArray_DATA(v), False)
+            names = {sid: s for s, sid in self._salts.items()}
+            salts = [names[salt[i]] for i in range(n)]
+        finally:
+            if held:
+                with nogil:
+                    pool_drop(p, ids, n * layers)
+            free(order); free(salt); free(par); free(dep); free(tok); free(ids)
+        return layers, salts, parents, depths, toks, k, v
+
+    def _import_prefixes(self, n_layers, tokens, salts, parents, ks, vs, *, bint fit=False):
+        """Publish verified entries (``ferrox_kv.store``): entry i has token
+        ids ``tokens[i]`` (int32 ``(n, block_size)``), salt ``salts[i]``,
+        parent index ``parents[i] < i`` (-1 at depth 0) and stored rows
+        ``ks[i]``/``vs[i]`` (C-contiguous uint8 ``(n_layers, block_size,
+        row_bytes)``). Every block is reserved first: all or nothing
+        (``KvPoolExhausted``, nothing changed), or with ``fit`` the leading
+        entries that fit; an entry already published is kept, not
+        duplicated. Rows are copied without the GIL, outside the lock.
+        Returns ``(added, present, left_out)``."""
+        cdef Pool* p = self.p
+        cdef int32_t layers = <int32_t>_count(n_layers, "n_layers", 1)
+        cdef Py_ssize_t n = len(salts), i, m = 0, nn = 0, bs = p.block_size, added = 0
+        cdef cnp.ndarray toks, par
+        cdef const int32_t* tp
+        cdef const int32_t* pp
+        cdef int32_t* sid = NULL
+        cdef int32_t* ent = NULL
+        cdef int32_t* slot = NULL
+        cdef int32_t* share = NULL
+        cdef int32_t* fresh = NULL
+        cdef int32_t** tables = NULL
+        cdef uint64_t* keys = NULL
+        cdef char** kp = NULL
+        cdef char** vp = NULL
+        cdef BlockReq r
+        cdef int rc
+        if p.prefix == NULL:
+            raise ValueError("this pool has no prefix cache: KvBlockPool(..., prefix_cache=True)")
+        if layers < 1:
+            raise ValueError("n_layers must be at least 1")
+        toks = np.ascontiguousarray(tokens, np.int32)
+        par = np.ascontiguousarray(parents, np.int32)
+        if toks.ndim != 2 or toks.shape[0] != n or toks.shape[1] != bs:
+            raise ValueError(f"tokens must be ({n}, {bs}) token ids, got shape {np.shape(toks)}")
+        if par.ndim != 1 or par.shape[0] != n or len(ks) != n or len(vs) != n:
+            raise ValueError("tokens, salts, parents, ks and vs must have one item per entry")
+        for i in range(n):
+            if not -1 <= par[i] < i:
+                raise ValueError(f"parents[{i}] = {par[i]}: a parent comes before its child")
+            for name, a, row in (("ks", ks[i], p.k_row), ("vs", vs[i], p.v_row)):
+                if (not isinstance(a, np.ndarray) or a.dtype != np.uint8
+                        or a.shape != (layers, bs, row) or not a.flags.c_contiguous):
+                    raise ValueError(f"{name}[{i}] must be C-contiguous uint8 of shape "
+                                     f"{(layers, bs, row)}")
+        if n == 0:
+            return 0, 0, 0
+        tp = <const int32_t*>cnp.PyArray_DATA(toks)
+        pp = <const int32_t*>cnp.PyArray_DATA(par)
+        try:
+            sid = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
+            ent = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
+            slot = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
+            share = <int32_t*>malloc(<size_t>(n * layers) * sizeof(int32_t))
+            fresh = <int32_t*>malloc(<size_t>(n * layers) * sizeof(int32_t))
+            tables = <int32_t**>malloc(<size_t>layers * sizeof(int32_t*))
+            keys = <uint64_t*>malloc(<size_t>n * sizeof(uint64_t))
+            kp = <char**>malloc(<size_t>n * sizeof(char*))
+            vp = <char**>malloc(<size_t>n * sizeof(char*))
+            if not (sid and ent and slot and share and fresh and tables and keys and kp and vp):
+                raise MemoryError()
+            for i in range(n):
+                sid[i] = self._salt_id(salts[i])
+                kp[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>ks[i])
+                vp[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>vs[i])
+            with nogil:
+                for i in range(n):
+                    keys[i] = fx_block_key(0 if pp[i] < 0 else keys[pp[i]], tp + i * bs, bs,
+                                           <uint64_t>layers, <uint64_t>sid[i])
+                rc = pool_import_reserve(p, layers, n, keys, tp, sid, pp, fit, ent, slot,
+                                         share, fresh, &m, &nn, &r)
+            if rc == FX_EXHAUSTED:
+                raise KvPoolExhausted(r.needed, r.free_seen)
+            if rc != 0:
+                raise RuntimeError("ferrox_kv: the prefix index names a block it does not hold")
+            with nogil:
+                for i in range(m):
+                    if slot[i] >= 0:
+                        fx_copy_blocks(p.k_arena, p.k_block, fresh + slot[i], layers, nn,
+                                       kp[i], True)
+                        fx_copy_blocks(p.v_arena, p.v_block, fresh + slot[i], layers, nn,
+                                       vp[i], True)
+                added = pool_import_publish(p, layers, m, nn, keys, tp, sid, pp, ent, slot,
+                                            fresh, tables)
+        finally:
+            free(sid); free(ent); free(slot); free(share); free(fresh); free(tables)
+            free(keys); free(kp); free(vp)
+        return added, m - nn, n - m
+
+    def _prefix_match(self, tokens, salt=None, n_layers=1):
+        """How many leading full blocks of ``tokens`` are published under
+        ``salt`` for ``n_layers`` layers (counts no hit or miss)."""
+        cdef Pool* p = self.p
+        cdef cnp.ndarray toks = _token_ids(tokens, "tokens")
+        cdef int32_t layers = <int32_t>_count(n_layers, "n_layers", 1)
+        cdef int32_t sid
+        cdef Py_ssize_t nb = len(toks) // p.block_size, m = 0
+        cdef const int32_t* tp = <const int32_t*>cnp.PyArray_DATA(toks)
+        cdef uint64_t* keys = NULL
+        cdef int32_t* out = NULL
+        if p.prefix == NULL:
+            raise ValueError("this pool has no prefix cache: KvBlockPool(..., prefix_cache=True)")
+        sid = self._salt_id(salt)
+        if nb == 0:
+            return 0
+        keys = <uint64_t*>malloc(<size_t>nb * sizeof(uint64_t))
+        out = <int32_t*>malloc(<size_t>nb * sizeof(int32_t))
+        try:
+            if keys == NULL or out == NULL:
+                raise MemoryError()
+            with nogil:
+                prefix_keys(tp, nb, p.block_size, layers, sid, keys)
+                pthread_mutex_lock(&p.lock)
+                m = prefix_match(p, keys, tp, nb, layers, sid, out)
+                pthread_mutex_unlock(&p.lock)
+        finally:
+            free(keys)
+            free(out)
+        return m
+
+    def save_prefixes(self, path, *, fingerprint, n_layers=None):
+        """Write every published prefix entry to the prefix file ``path``
+        (FORMAT.md), atomically; see ``ferrox_kv.store.save_prefixes``."""
+        from ferrox_kv.store._pool import save_prefixes
+        return save_prefixes(self, path, fingerprint=fingerprint, n_layers=n_layers)
+
+    def load_prefixes(self, path, *, fingerprint):
+        """Publish the entries of the prefix file ``path``, verified first;
+        see ``ferrox_kv.store.load_prefixes``."""
+        from ferrox_kv.store._pool import load_prefixes
+        return load_prefixes(self, path, fingerprint=fingerprint)
+
+    def attach(self, store):
+        """Attach a prefix store (``ferrox_kv.store.RedisPrefixStore``), or
+        detach with None: ``publish`` writes through to it, and a lookup with
+        ``tokens=`` (``KvCache.with_pool``, ``with_pool_many``) reads the
+        blocks missing locally through it first. Store faults are counted
+        misses, never exceptions; ``stats()`` adds the store's counters under
+        ``store_``."""
+        from ferrox_kv.store._pool import check_store
+        if self.p.prefix == NULL:
+            raise ValueError("a store needs a pool with a prefix cache: "
+                             "KvBlockPool(..., prefix_cache=True)")
+        check_store(store)
+        self._store = store
+
+    @property
+    def store(self):
+        """The attached prefix store, or None."""
+        return self._store
 
     def check(self):
         """Walk every invariant of the pool and raise ``RuntimeError`` naming

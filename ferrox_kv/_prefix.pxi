@@ -252,6 +252,42 @@ cdef bint _distinct_unpublished(Pool* p, int32_t** tables, int32_t layers,
     return ok
 
 
+cdef int32_t _entry_add(Pool* p, uint64_t key, int32_t parent, int32_t salt, int32_t layers,
+                        const int32_t* tok, int32_t** tables, Py_ssize_t i) noexcept nogil:
+    """A new entry for blocks ``tables[j][i]`` (layer j), held by their
+    holders, under ``parent``: indexed, linked, its token ids stored."""
+    cdef Prefix* x = p.prefix
+    cdef int32_t e, b, j
+    cdef Py_ssize_t bk
+    if x.n_efree > 0:
+        x.n_efree -= 1
+        e = x.e_free[x.n_efree]
+    else:
+        e = <int32_t>x.next_entry
+        x.next_entry += 1
+    x.e_key[e] = key
+    x.e_parent[e] = parent
+    x.e_salt[e] = salt
+    x.e_layers[e] = layers
+    x.e_held[e] = layers
+    memcpy(x.e_tokens + <size_t>e * <size_t>p.block_size, tok,
+           <size_t>p.block_size * sizeof(int32_t))
+    x.e_first[e] = tables[0][i]
+    for j in range(layers):
+        b = tables[j][i]
+        x.blk_entry[b] = e
+        x.blk_next[b] = tables[j + 1][i] + 1 if j + 1 < layers else 0
+    bk = _bucket(x, key)
+    x.e_hnext[e] = x.buckets[bk]
+    x.buckets[bk] = e
+    if parent != 0:
+        x.e_sib_next[e] = x.e_child[parent]
+        if x.e_child[parent] != 0:
+            x.e_sib_prev[x.e_child[parent]] = e
+        x.e_child[parent] = e
+    return e
+
+
 cdef Py_ssize_t prefix_publish(Pool* p, int32_t** tables, int32_t layers,
                                const uint64_t* keys, const int32_t* tokens,
                                Py_ssize_t n, int32_t salt) noexcept nogil:
@@ -261,42 +297,16 @@ cdef Py_ssize_t prefix_publish(Pool* p, int32_t** tables, int32_t layers,
     entry (e.g. reused under another salt) or are not distinct across the
     layers. Returns the positions now published along this chain. Pool lock
     held; the caches hold every block."""
-    cdef Prefix* x = p.prefix
-    cdef int32_t parent = 0, e, b, j
+    cdef int32_t parent = 0, e
     cdef const int32_t* tok
-    cdef Py_ssize_t i, bk
+    cdef Py_ssize_t i
     for i in range(n):
         tok = tokens + i * p.block_size
         e = _find(p, keys[i], parent, salt, layers, tok)
         if e == 0:
             if not _distinct_unpublished(p, tables, layers, i):
                 return i
-            if x.n_efree > 0:
-                x.n_efree -= 1
-                e = x.e_free[x.n_efree]
-            else:
-                e = <int32_t>x.next_entry
-                x.next_entry += 1
-            x.e_key[e] = keys[i]
-            x.e_parent[e] = parent
-            x.e_salt[e] = salt
-            x.e_layers[e] = layers
-            x.e_held[e] = layers
-            memcpy(x.e_tokens + <size_t>e * <size_t>p.block_size, tok,
-                   <size_t>p.block_size * sizeof(int32_t))
-            x.e_first[e] = tables[0][i]
-            for j in range(layers):
-                b = tables[j][i]
-                x.blk_entry[b] = e
-                x.blk_next[b] = tables[j + 1][i] + 1 if j + 1 < layers else 0
-            bk = _bucket(x, keys[i])
-            x.e_hnext[e] = x.buckets[bk]
-            x.buckets[bk] = e
-            if parent != 0:
-                x.e_sib_next[e] = x.e_child[parent]
-                if x.e_child[parent] != 0:
-                    x.e_sib_prev[x.e_child[parent]] = e
-                x.e_child[parent] = e
+            e = _entry_add(p, keys[i], parent, salt, layers, tok, tables, i)
         parent = e
     return n
 
@@ -370,3 +380,162 @@ cdef Py_ssize_t pool_publish(Pool* p, int32_t** tables, int32_t layers, const ui
     done = prefix_publish(p, tables, layers, keys, tokens, n, salt)
     pthread_mutex_unlock(&p.lock)
     return done
+
+
+# -- entries out of and into the pool (ferrox_kv.store) --------------------------
+
+cdef Py_ssize_t pool_export(Pool* p, int32_t* layers, int32_t* order, int32_t* salt,
+                            int32_t* parent, int32_t* depth, int32_t* tokens,
+                            int32_t* ids) noexcept nogil:
+    """Every published entry of ``layers[0]`` layers (0: the layer count that
+    every entry has; -1 returned when they have several), parents first
+    (breadth-first from the roots): its salt id, its parent's index (-1 for
+    a root), depth, token ids and blocks (``ids[i * layers + j]``: layer j's
+    block of entry i). Each block gets one more holder, so that nothing
+    evicts or rewrites it until pool_drop(ids). Returns the count. The arrays
+    hold ``total`` entries (``tokens``: ``total * block_size``)."""
+    cdef Prefix* x = p.prefix
+    cdef int32_t L = layers[0], e, c, b, j
+    cdef Py_ssize_t n = 0, head = 0, i, bs = p.block_size
+    pthread_mutex_lock(&p.lock)
+    for e in range(1, x.next_entry):
+        if x.e_layers[e] == 0:
+            continue
+        if L == 0:
+            L = x.e_layers[e]
+        elif x.e_layers[e] != L:
+            if layers[0] == 0:
+                pthread_mutex_unlock(&p.lock)
+                return -1
+            continue
+        if x.e_parent[e] == 0:
+            order[n] = e
+            parent[n] = -1
+            depth[n] = 0
+            n += 1
+    while head < n:                 # children share their parent's layer count
+        c = x.e_child[order[head]]
+        while c != 0:
+            order[n] = c
+            parent[n] = <int32_t>head
+            depth[n] = depth[head] + 1
+            n += 1
+            c = x.e_sib_next[c]
+        head += 1
+    for i in range(n):
+        e = order[i]
+        salt[i] = x.e_salt[e]
+        memcpy(tokens + i * bs, x.e_tokens + <size_t>e * <size_t>bs, <size_t>bs * sizeof(int32_t))
+        b = x.e_first[e]
+        for j in range(L):
+            ids[i * L + j] = b
+            _hold(p, b)
+            b = x.blk_next[b] - 1
+    if p.n_used > p.high_water:
+        p.high_water = p.n_used
+    pthread_mutex_unlock(&p.lock)
+    layers[0] = L
+    return n
+
+
+cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64_t* keys,
+                             const int32_t* tokens, const int32_t* salt,
+                             const int32_t* parent, bint fit, int32_t* ent, int32_t* slot,
+                             int32_t* share, int32_t* fresh, Py_ssize_t* taken,
+                             Py_ssize_t* n_new, BlockReq* r) noexcept nogil:
+    """Reserve the blocks of ``n`` entries (parents first: ``parent[i] < i``,
+    -1 for a root), in one locked step. An entry already published (the same
+    key, parent, salt, layer count and token ids) is held, not duplicated:
+    ``ent[i]`` its entry id, ``slot[i]`` -1; a new one gets ``layers`` fresh
+    blocks: ``slot[i] = t``, its layer j block ``fresh[j * n_new + t]``. All
+    ``n`` or nothing (FX_EXHAUSTED, ``r`` says by how much); with ``fit``, the
+    leading entries that fit (``taken``). Held until pool_import_publish."""
+    cdef Prefix* x = p.prefix
+    cdef Py_ssize_t i, m = 0, nn = 0, ns = 0, cost, spent = 0, avail
+    cdef int32_t e, b, j
+    cdef int rc
+    pthread_mutex_lock(&p.lock)
+    avail = p.total - p.n_used
+    for i in range(n):
+        e = 0
+        if parent[i] < 0 or slot[parent[i]] < 0:
+            e = _find(p, keys[i], 0 if parent[i] < 0 else ent[parent[i]], salt[i], layers,
+                      tokens + i * p.block_size)
+        cost = layers
+        if e != 0:
+            cost = 0
+            b = x.e_first[e]
+            for j in range(layers):
+                if p.refs[b] == 0:
+                    cost += 1           # a cached block comes back into use
+                b = x.blk_next[b] - 1
+        if fit and spent + cost > avail:
+            break
+        spent += cost
+        ent[i] = e
+        slot[i] = -1
+        if e != 0:
+            b = x.e_first[e]
+            for j in range(layers):
+                share[ns] = b
+                ns += 1
+                b = x.blk_next[b] - 1
+        else:
+            slot[i] = <int32_t>nn
+            nn += 1
+        m += 1
+    memset(r, 0, sizeof(BlockReq))
+    r.pool = p
+    r.share = share
+    r.n_share = ns
+    r.fresh = fresh
+    r.n_fresh = nn * layers
+    r.owner = OWNER_CACHE
+    rc = _req_check(r)
+    if rc == 0:
+        _req_apply(r)
+    elif rc == FX_EXHAUSTED:
+        p.refused += 1
+    pthread_mutex_unlock(&p.lock)
+    taken[0] = m
+    n_new[0] = nn
+    return rc
+
+
+cdef Py_ssize_t pool_import_publish(Pool* p, int32_t layers, Py_ssize_t m, Py_ssize_t n_new,
+                                    const uint64_t* keys, const int32_t* tokens,
+                                    const int32_t* salt, const int32_t* parent, int32_t* ent,
+                                    const int32_t* slot, int32_t* fresh,
+                                    int32_t** tables) noexcept nogil:
+    """Publish the ``m`` entries pool_import_reserve took (their new blocks
+    filled), then let go of every block it held, deepest entry first (a
+    chain's tail is evicted before its head). An entry that another thread
+    published meanwhile is kept and these blocks go back. ``tables`` has room
+    for ``layers`` pointers. Returns the entries added."""
+    cdef Prefix* x = p.prefix
+    cdef Py_ssize_t i, added = 0
+    cdef int32_t e, b, j
+    for j in range(layers):
+        tables[j] = fresh + j * n_new
+    pthread_mutex_lock(&p.lock)
+    for i in range(m):
+        if slot[i] < 0:
+            continue
+        e = _find(p, keys[i], 0 if parent[i] < 0 else ent[parent[i]], salt[i], layers,
+                  tokens + i * p.block_size)
+        if e == 0:
+            e = _entry_add(p, keys[i], 0 if parent[i] < 0 else ent[parent[i]], salt[i],
+                           layers, tokens + i * p.block_size, tables, slot[i])
+            added += 1
+        ent[i] = e
+    for i in range(m - 1, -1, -1):
+        if slot[i] >= 0:
+            for j in range(layers):
+                _unhold(p, fresh[j * n_new + slot[i]])
+        else:
+            b = x.e_first[ent[i]]
+            for j in range(layers):
+                _unhold(p, b)
+                b = x.blk_next[b] - 1
+    pthread_mutex_unlock(&p.lock)
+    return added

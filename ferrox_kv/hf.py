@@ -808,6 +808,50 @@ class FerroxCache(Cache):
         return self.pool.publish([layer.seqs[0] for layer in self.layers], ids[:have],
                                  salt=self.salt)
 
+    def save(self, path, *, fingerprint=None) -> int:
+        """Park this conversation (batch 1) in the file ``path``: every layer's
+        rows as stored, checksummed, written atomically (a prefix file of one
+        entry, FORMAT.md). ``fingerprint``: the model's identity
+        (``fingerprint(model)``), checked again by ``load``. Returns the bytes
+        written."""
+        from ferrox_kv.store._cache import save_layers
+        self._check_open()
+        if self.batch_size != 1:
+            raise ValueError(f"save is for a batch of 1; this cache holds {self.batch_size}")
+        return save_layers([layer.seqs[0] for layer in self.layers], path,
+                           fingerprint=fingerprint)
+
+    @classmethod
+    def load(cls, path, config, *, pool=None, max_seq_len=None, fingerprint=None):
+        """A FerroxCache holding the conversation parked in ``path`` by
+        ``save``, verified whole first: the file's layers, heads, head_dim
+        and fingerprint must be ``config``'s and ``fingerprint``'s
+        (``ferrox_kv.store.StoreMismatch`` naming the field, nothing made
+        otherwise). It stores the file's dtype (a pool's must match);
+        ``max_seq_len`` (at least the saved positions) is reserved as by the
+        constructor. Pass it to ``generate`` with the whole conversation's
+        ids: it feeds only the positions the cache lacks."""
+        from ferrox_kv.store._cache import read_layers
+        from ferrox_kv.store._format import StoreMismatch
+        g, _, ks, vs = read_layers(path, fingerprint=fingerprint)
+        n_layers, n_kv, head_dim = kv_geometry(config)
+        for name, have, want in (("n_layers", g.n_layers, n_layers),
+                                 ("n_kv_heads", g.n_kv_heads, n_kv),
+                                 ("head_dim", g.head_dim, head_dim),
+                                 ("v_head_dim", g.v_head_dim, head_dim)):
+            if have != want:
+                raise StoreMismatch(name, f"saved with {name}={have}, the model has {want}")
+        n = g.block_size
+        cap = n if max_seq_len is None else max(int(max_seq_len), n)
+        cache = cls(config, pool=pool, max_seq_len=cap, dtype=g.dtype)
+        try:
+            for layer, k, v in zip(cache.layers, ks, vs):
+                layer.seqs[0]._extend_stored(k, v)
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
     @property
     def batch_size(self) -> int:
         return len(self.layers[0].seqs) if self.layers else 0
@@ -840,3 +884,28 @@ class FerroxCache(Cache):
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def fingerprint(model) -> bytes:
+    """An identity of ``model`` for ``save_prefixes``/``load_prefixes``,
+    ``FerroxCache.save``/``load`` and ``RedisPrefixStore``: BLAKE2b-256 over
+    its config (as JSON, sorted) and every parameter and buffer (name,
+    dtype, shape and bytes), as hex. Computed once and kept on the model
+    (``model._ferrox_kv_fingerprint``); a model whose weights change after
+    that must drop the attribute."""
+    import hashlib
+    import json
+    cached = getattr(model, "_ferrox_kv_fingerprint", None)
+    if cached is not None:
+        return cached
+    h = hashlib.blake2b(digest_size=32, person=b"ferrox_kv.model")
+    cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else vars(model.config)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            x = t.detach().to("cpu").contiguous()
+            h.update(f"{name}:{x.dtype}:{tuple(x.shape)}".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    out = h.hexdigest().encode()
+    model._ferrox_kv_fingerprint = out
+    return out

@@ -114,7 +114,7 @@ def test_the_registry_is_the_one_list_of_groups():
     # every module of groups/ is registered, once, and the groups keep their slugs
     assert sorted(runner.GROUP_MODULES) == GROUP_FILES
     assert list(runner.GROUPS) == ["push", "extend", "pool", "threads", "decode", "attention",
-                                   "sharing", "memory", "hf", "precision"]
+                                   "sharing", "memory", "hf", "precision", "store"]
     assert ferrox_kv.bench.GROUPS is runner.GROUPS
 
 

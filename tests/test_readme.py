@@ -89,3 +89,12 @@ def test_the_dev_extra_brings_what_the_readme_development_build_needs():
     m = re.search(r'`pip install "\.\[([a-z,]+)\]" && python setup\.py build_ext --inplace`',
                   _prose())
     assert m and "dev" in m.group(1).split(",")
+
+
+def test_readme_beyond_one_process_example_runs(capsys):
+    pytest.importorskip("xxhash")
+    exec(compile(_block("save_prefixes(path"), "README.md", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "{'entries': 2, 'tokens': 32, 'bytes': %s}" % out[0].split()[-1][:-1]
+    assert out[1] == "{'entries': 2, 'tokens': 32, 'present': 0, 'left_out': 0}"
+    assert out[2] == "32 positions reused"

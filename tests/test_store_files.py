@@ -166,13 +166,3 @@ def test_load_refuses_bytes_after_the_trailer_and_an_empty_file(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(StoreCorrupt, match="truncated"):
         load_file(path)
-
-
-def test_readme_prefix_file_example_runs(capsys):
-    import re
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "README.md")
-    blocks = re.findall(r"```python\n(.*?)```", open(readme).read(), re.S)
-    code = next(b for b in blocks if "save_file(path" in b)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    assert capsys.readouterr().out == "2 entries, 32 tokens, verified\n"

@@ -561,3 +561,166 @@ def test_a_redis_cluster_works_through_redis_pys_cluster_client(cluster):
     s = store.stats()
     assert (s["rejected"], s["errors"], s["hits"]) == (1, 0, 3)
     client.close()
+
+
+# -- a pool with the store attached: write-through, read-through ----------------------
+
+def _attached(server, total=64, dtype="float32", **kw):
+    from conftest import store_pool
+    pool = store_pool(total, dtype)
+    pool.attach(RedisPrefixStore(server.url, namespace="pool", fingerprint=FP, **kw))
+    return pool
+
+
+SYS_PROMPT = list(range(300, 320))                  # 5 blocks of 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_publish_writes_through_and_a_local_miss_reads_through(server, dtype):
+    from conftest import lookup_rows, publish_seq
+    writer = _attached(server, dtype=dtype)
+    want = publish_seq(writer, SYS_PROMPT + [1, 2, 3], seed=7)
+    assert writer.stats()["store_entries_written"] == 5
+    reader = _attached(server, dtype=dtype)
+    n, got = lookup_rows(reader, SYS_PROMPT + [9, 9])
+    assert n == 20
+    for (gk, gv), (wk, wv) in zip(got, want):
+        assert np.array_equal(gk[:20], wk[:20]) and np.array_equal(gv[:20], wv[:20])
+    s = reader.stats()
+    assert s["store_hits"] == 1 and s["store_entries_fetched"] == 5 and s["prefix_hits"] == 1
+    assert s["used_blocks"] == 0 and s["cached_blocks"] == 10
+    reader.check()
+    # a local hit of 3 blocks and 2 more in Redis: the continuation is fetched
+    part = _attached(server, dtype=dtype)
+    publish_seq(part, SYS_PROMPT[:12], seed=7)
+    assert lookup_rows(part, SYS_PROMPT + [0])[0] == 20
+    part.check()
+
+
+def test_attach_checks_its_arguments(server):
+    from conftest import store_pool
+    with pytest.raises(TypeError, match="RedisPrefixStore"):
+        store_pool(8).attach(object())
+    plain = KvBlockPool(4, 8, 2, 32)
+    with pytest.raises(ValueError, match="prefix_cache=True"):
+        plain.attach(RedisPrefixStore(server.url, namespace="pool", fingerprint=FP))
+    pool = _attached(server)
+    assert pool.store is not None
+    pool.attach(None)
+    assert pool.store is None and "store_hits" not in pool.stats()
+
+
+def test_redis_stopped_is_a_counted_miss_and_takes_no_block(own_server):
+    from conftest import lookup_rows, publish_seq
+    writer = _attached(own_server, timeout=0.3)
+    publish_seq(writer, SYS_PROMPT, seed=7)
+    own_server.stop()
+    reader = _attached(own_server, timeout=0.3)
+    t0 = time.monotonic()
+    n, _ = lookup_rows(reader, SYS_PROMPT + [0])
+    assert n == 0 and time.monotonic() - t0 < 5
+    publish_seq(writer, SYS_PROMPT + [5, 6, 7, 8], seed=7)       # write-through fails quietly
+    s = reader.stats()
+    assert s["store_errors"] >= 1 and s["used_blocks"] == 0 and s["cached_blocks"] == 0
+    assert writer.stats()["store_errors"] >= 1
+    reader.check()
+    writer.check()
+
+
+def test_a_full_pool_reads_through_what_fits_and_leaks_nothing(server):
+    from conftest import lookup_rows, publish_seq
+    writer = _attached(server)
+    publish_seq(writer, SYS_PROMPT, seed=7)
+    reader = _attached(server, total=12)
+    held = KvCache.with_pool_many(2, 2, 32, reader, 4 * 4)        # 8 of 12 blocks
+    from ferrox_kv import KvPoolExhausted
+    with pytest.raises(KvPoolExhausted):          # 2 entries fit in what is free; 12 needed
+        lookup_rows(reader, SYS_PROMPT + [0])
+    assert reader.stats()["cached_blocks"] == 4
+    reader.check()
+    for c in held:
+        c.close()
+    assert reader.stats()["used_blocks"] == 0
+    assert lookup_rows(reader, SYS_PROMPT + [0])[0] == 20
+    reader.check()
+
+
+def test_two_processes_share_a_system_prompt_through_one_redis(server, tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        sys.path.insert(0, {here!r})
+        from conftest import store_pool, publish_seq, lookup_rows
+        from ferrox_kv.store import RedisPrefixStore
+        url, role, out = sys.argv[1:]
+        pool = store_pool(64)
+        pool.attach(RedisPrefixStore(url, namespace="two", fingerprint="model@1"))
+        prompt = {SYS_PROMPT!r}
+        if role == "writer":
+            rows = publish_seq(pool, prompt + [1, 2], seed=11, salt="sys")
+            np.save(out, np.stack([np.concatenate(r, axis=1) for r in rows]))
+            print(pool.stats()["store_entries_written"])
+        else:
+            n, got = lookup_rows(pool, prompt + [7, 8, 9], salt="sys")
+            np.save(out, np.stack([np.concatenate(r, axis=1)[:n] for r in got]))
+            print(n, pool.stats()["store_hits"], pool.stats()["prefix_hits"])
+            pool.check()
+    """)
+    run = lambda role: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", script, server.url, role, str(tmp_path / f"{role}.npy")],
+        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    w = run("writer")
+    assert w.returncode == 0, w.stderr
+    assert w.stdout.split() == ["5"]
+    r = run("reader")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["20", "1", "1"]        # the reader prefills only the tail
+    want, got = np.load(tmp_path / "writer.npy"), np.load(tmp_path / "reader.npy")
+    assert want.shape == got.shape
+    for t in range(20):
+        assert np.array_equal(want[:, t], got[:, t]), t
+
+
+def test_the_two_servers_example_shares_the_system_prompt(server):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "examples", "two_servers_one_redis.py"),
+                        server.url], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    first, second = p.stdout.splitlines()
+    assert first.startswith("first server: reused 0 positions, prefilled 101;")
+    assert "entries written 6" in first
+    assert second.startswith("second server: reused 96 positions, prefilled 3; store hits 1")
+
+
+def test_eight_threads_read_and_write_through_one_pool_and_one_store(server):
+    from conftest import STORE_DIM, STORE_HEADS, rows
+    writer = _attached(server, total=256)
+    reader = _attached(server, total=256)
+    errors = []
+    w = STORE_HEADS * STORE_DIM
+
+    def work(i):
+        try:
+            for r in range(4):
+                pool = writer if (i + r) % 2 else reader
+                toks = SYS_PROMPT + [i, r, i, r, 1]
+                caches = KvCache.with_pool_many(2, STORE_HEADS, STORE_DIM, pool, len(toks),
+                                                tokens=toks)
+                todo = len(toks) - caches[0].seq_len
+                for j, c in enumerate(caches):
+                    c.extend(rows(todo, w, 2 * j), rows(todo, w, 2 * j + 1))
+                pool.publish(caches, toks)
+                for c in caches:
+                    c.close()
+        except Exception as e:          # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    for pool in (writer, reader):
+        pool.check()
+        assert pool.stats()["used_blocks"] == 0 and pool.stats()["store_rejected"] == 0

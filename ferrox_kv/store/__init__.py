@@ -14,20 +14,12 @@ its K and V rows (``Entry``). This package holds
 - ``RedisPrefixStore``: one Redis value per entry, pipelined, verified on
   fetch; Redis faults are counted misses, never exceptions.
 
-The interface the pool is to call (``pool.attach(store)``, read-through
-lookups, ``pool.save_prefixes``/``load_prefixes``; not wired yet):
-
-- ``Geometry(block_size, n_layers, n_kv_heads, head_dim, v_head_dim, dtype)``
-  names what an entry's bytes mean; ``Geometry.of_pool(pool, n_layers)``.
-- entries out of the pool: ``entries_from_rows(geometry, tokens, k_rows,
-  v_rows, salt=...)`` from each layer's stored row bytes (uint8 ``(T,
-  row_bytes)``; float32 rows for float32 storage), or ``Entry`` tuples built
-  directly with keys from ``chain_keys(tokens, block_size, salt)``;
-- ``store.put_chain(geometry, entries) -> int`` after a publish;
-- ``store.get_chain(geometry, tokens, salt=, start=, limit=) -> [Entry]`` on a
-  local miss of blocks ``start..``; each entry's ``k``/``v`` are uint8
-  ``(n_layers, block_size, row_bytes)`` to copy into the reserved blocks;
-- ``store.stats() -> dict`` for ``pool.stats()``.
+The pool calls them (FORMAT.md, "How the pool uses it"): ``pool.save_prefixes``
+/ ``pool.load_prefixes`` (``save_prefixes``/``load_prefixes`` here),
+``KvCache.save``/``load`` and ``FerroxCache.save``/``load`` (``save_cache``,
+``load_cache``, ``save_layers``), and ``pool.attach(store)``: publish writes
+through, a lookup with ``tokens=`` reads the blocks missing locally through
+the store, ``pool.stats()`` adds the store's counters under ``store_``.
 """
 from ferrox_kv.store._files import atomic_write, load_file, save_file
 from ferrox_kv.store._format import (
@@ -49,6 +41,8 @@ from ferrox_kv.store._format import (
     write_file,
 )
 from ferrox_kv.store._redis import RedisPrefixStore
+from ferrox_kv.store._pool import load_prefixes, save_prefixes
+from ferrox_kv.store._cache import load_cache, save_cache, save_layers
 
 __all__ = [
     "NO_PARENT",
@@ -67,8 +61,13 @@ __all__ = [
     "decode_value",
     "encode_value",
     "entries_from_rows",
+    "load_cache",
     "load_file",
+    "load_prefixes",
     "row_bytes",
+    "save_cache",
     "save_file",
+    "save_layers",
+    "save_prefixes",
     "write_file",
 ]

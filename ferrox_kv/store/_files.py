@@ -53,15 +53,20 @@ def load_file(path: str | os.PathLike[str], *, geometry: Geometry | None = None,
     """Read a prefix file whole into one private buffer and verify every entry
     (``decode_file``) before returning any; the entries' arrays are views of
     that buffer."""
+    return decode_file(read_whole(path), geometry=geometry, fingerprint=fingerprint)
+
+
+def read_whole(path: str | os.PathLike[str]) -> np.ndarray:
+    """The bytes of a file, read into one private uint8 buffer (a file that
+    shrank while being read gives fewer bytes: a truncated one)."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = np.empty(size, np.uint8)
         view, got = buf.data, 0
-        while got < size:                  # a file that shrank reads short: truncated
+        while got < size:
             n = f.readinto(view[got:])
             if not n:
                 break
             got += n
         del view
-        buf = buf[:got]
-    return decode_file(buf, geometry=geometry, fingerprint=fingerprint)
+    return buf[:got]

@@ -1,0 +1,116 @@
+"""One conversation parked in a file and resumed (``KvCache.save`` /
+``KvCache.load``, ``FerroxCache.save`` / ``FerroxCache.load``).
+
+A parked conversation is a prefix file (FORMAT.md) holding one entry whose
+block is the whole conversation: ``block_size`` = its positions, ``n_layers``
+= its layers, the token ids (zeros when the caller has none), every layer's
+stored rows. It is written atomically and verified whole before a row is
+written into a cache, like any prefix file.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from ferrox_kv.store._files import read_whole, save_file
+from ferrox_kv.store._format import (
+    KIND_FILE,
+    Geometry,
+    StoreCorrupt,
+    StoreMismatch,
+    _header,
+    _view,
+    decode_file,
+    entries_from_rows,
+    fingerprint_bytes,
+)
+
+UNNAMED = b"ferrox_kv:unnamed model"    # the fingerprint of a save that gives none
+
+
+def _fp(fingerprint: Any) -> bytes:
+    return UNNAMED if fingerprint is None else fingerprint_bytes(fingerprint)
+
+
+def save_layers(caches: Sequence[Any], path: str | os.PathLike[str], *, fingerprint: Any = None,
+                tokens: Any = None) -> int:
+    """Write the layers of one conversation (caches of one geometry, dtype
+    and length, at least one position) to ``path`` atomically; ``tokens``:
+    its token ids (one per position) or None. Returns the bytes written."""
+    fp = _fp(fingerprint)
+    if not caches:
+        raise ValueError("no layers to save")
+    c0 = caches[0]
+    n = c0.seq_len
+    for i, c in enumerate(caches):
+        if (c.n_kv_heads, c.head_dim, c.v_head_dim, c.dtype) != (
+                c0.n_kv_heads, c0.head_dim, c0.v_head_dim, c0.dtype):
+            raise ValueError(f"layer {i} has another geometry or dtype than layer 0")
+        if c.seq_len != n:
+            raise ValueError(f"layer {i} holds {c.seq_len} positions, layer 0 {n}: one "
+                             "conversation's layers have one length")
+    if n == 0:
+        raise ValueError("the cache holds no position: there is nothing to save")
+    toks = np.zeros(n, np.int32) if tokens is None else np.asarray(tokens)
+    if toks.shape != (n,):
+        raise ValueError(f"tokens must hold one id per position ({n}), got shape {toks.shape}")
+    g = Geometry(n, len(caches), c0.n_kv_heads, c0.head_dim, c0.v_head_dim, c0.dtype).check()
+    rows = [c._stored() for c in caches]
+    entries = entries_from_rows(g, toks, [r[0] for r in rows], [r[1] for r in rows])
+    return save_file(path, g, fp, entries)
+
+
+def read_layers(path: str | os.PathLike[str], *, fingerprint: Any = None):
+    """(geometry, tokens, [k rows per layer], [v rows per layer]) of a parked
+    conversation, verified whole (the format's exceptions otherwise)."""
+    fp = _fp(fingerprint)
+    buf = read_whole(path)
+    g = _header(_view(buf), KIND_FILE, None, None)[0]
+    dec = decode_file(buf, geometry=g, fingerprint=fp)
+    if len(dec.entries) != 1:
+        raise StoreMismatch("n_entries", f"a parked conversation is one entry; this file holds "
+                                         f"{len(dec.entries)} (load it with pool.load_prefixes)")
+    e = dec.entries[0]
+    if e.depth != 0:
+        raise StoreCorrupt("depth", "a parked conversation's entry is at depth 0")
+    return g, e.tokens, list(e.k), list(e.v)
+
+
+def new_layer(g: Geometry, pool: Any, max_seq_len: int | None, k: np.ndarray, v: np.ndarray):
+    """A cache holding one layer's rows: contiguous, or on ``pool`` (its
+    geometry and dtype must match: ``ValueError``), reserving
+    max(max_seq_len, the rows)."""
+    from ferrox_kv import KvCache
+    n = g.block_size
+    cap = n if max_seq_len is None else max(int(max_seq_len), n)
+    if pool is None:
+        c = KvCache.with_capacity(g.n_kv_heads, g.head_dim, cap, v_head_dim=g.v_head_dim,
+                                  dtype=g.dtype)
+    else:
+        c = KvCache.with_pool(g.n_kv_heads, g.head_dim, pool, cap, v_head_dim=g.v_head_dim,
+                              dtype=g.dtype)
+    try:
+        c._extend_stored(k, v)
+    except BaseException:
+        c.close()
+        raise
+    return c
+
+
+def save_cache(cache: Any, path: str | os.PathLike[str], *, fingerprint: Any = None) -> int:
+    """``KvCache.save``: park one cache (one layer) in ``path``."""
+    return save_layers([cache], path, fingerprint=fingerprint)
+
+
+def load_cache(path: str | os.PathLike[str], *, fingerprint: Any = None, pool: Any = None,
+               max_seq_len: int | None = None) -> Any:
+    """``KvCache.load``: a cache holding the one layer parked in ``path``
+    (contiguous, or on ``pool``); a file of several layers is refused
+    (``StoreMismatch``, field ``n_layers``)."""
+    g, _, ks, vs = read_layers(path, fingerprint=fingerprint)
+    if g.n_layers != 1:
+        raise StoreMismatch("n_layers", f"the file holds {g.n_layers} layers; KvCache.load "
+                                        "reads one (FerroxCache.load reads a model's)")
+    return new_layer(g, pool, max_seq_len, ks[0], vs[0])

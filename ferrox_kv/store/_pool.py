@@ -1,0 +1,162 @@
+"""A pool's prefix entries out to files and stores, and back in.
+
+The core exports and imports entries (``KvBlockPool._export_prefixes`` /
+``_import_prefixes``: blocks held or reserved under the pool lock, bytes
+copied without the GIL outside it); everything here is file and store I/O,
+verification and bookkeeping, and never runs under the pool lock.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ferrox_kv.store._files import read_whole, save_file
+from ferrox_kv.store._format import (
+    KIND_FILE,
+    NO_PARENT,
+    Entry,
+    Geometry,
+    StoreMismatch,
+    _header,
+    _key_of,
+    _view,
+    decode_file,
+    entries_from_rows,
+    fingerprint_bytes,
+)
+
+
+def export_entries(pool: Any, n_layers: int | None = None) -> tuple[Geometry, list[Entry]]:
+    """Every published prefix entry of ``pool`` (of ``n_layers`` layers; None:
+    the one layer count its entries have), parents first, with the store's
+    chained keys; the rows are private copies."""
+    layers, salts, parents, depths, toks, k, v = pool._export_prefixes(
+        0 if n_layers is None else n_layers)
+    g = Geometry.of_pool(pool, layers)
+    keys: list[bytes] = []
+    entries: list[Entry] = []
+    for i, salt in enumerate(salts):
+        parent = NO_PARENT if parents[i] < 0 else keys[parents[i]]
+        keys.append(_key_of(parent, salt, toks[i]))
+        entries.append(Entry(int(depths[i]), keys[i], parent, salt, toks[i], k[i], v[i]))
+    return g, entries
+
+
+def save_prefixes(pool: Any, path: str | os.PathLike[str], *, fingerprint: Any,
+                  n_layers: int | None = None) -> dict[str, int]:
+    """Write every published prefix entry of ``pool`` to the prefix file
+    ``path`` atomically (FORMAT.md). ``fingerprint`` names the model (bytes or
+    str). A pool whose entries were published with several layer counts
+    needs ``n_layers=`` (``ValueError`` otherwise). Returns ``entries``,
+    ``tokens`` and ``bytes`` written."""
+    fingerprint_bytes(fingerprint)             # a bad one raises before anything is held
+    g, entries = export_entries(pool, n_layers)
+    size = save_file(path, g, fingerprint, entries)
+    return {"entries": len(entries), "tokens": len(entries) * g.block_size, "bytes": size}
+
+
+def load_prefixes(pool: Any, path: str | os.PathLike[str], *,
+                  fingerprint: Any) -> dict[str, int]:
+    """Publish the entries of the prefix file ``path`` into ``pool``.
+
+    The whole file is read and verified first (header, geometry and dtype
+    against the pool's, ``fingerprint``, every entry's checksum, key and
+    parent, the file checksum): any mismatch raises the format's
+    ``StoreMismatch``/``StoreCorrupt`` naming the field, and the pool is
+    untouched. Entries already published are kept, not duplicated. When the
+    pool cannot take them all, the entries go in by depth (every sequence's
+    first block, then every second block, ...) while the pool's free blocks
+    last (cached blocks count as free: the least recently used are evicted
+    for them), so each chain keeps its longest prefix that fits; the rest are
+    counted in ``left_out``. Returns ``entries`` (added), ``tokens`` (their
+    positions), ``present`` (already published) and ``left_out``."""
+    fp = fingerprint_bytes(fingerprint)
+    buf = read_whole(path)
+    got = _header(_view(buf), KIND_FILE, None, None)[0]
+    want = Geometry.of_pool(pool, got.n_layers)
+    for name in Geometry._fields:
+        if getattr(got, name) != getattr(want, name):
+            raise StoreMismatch(name, f"written with {name}={getattr(got, name)!r}, the "
+                                      f"pool has {getattr(want, name)!r}")
+    dec = decode_file(buf, geometry=want, fingerprint=fp)
+    return import_entries(pool, want, dec.entries, fit=True)
+
+
+def import_entries(pool: Any, geometry: Geometry, entries: list[Entry], *,
+                   fit: bool) -> dict[str, int]:
+    """Publish verified entries, each one's parent among those before it
+    (or, at depth 0, none): shallowest first; ``fit`` as in
+    ``_import_prefixes``."""
+    order = sorted(range(len(entries)), key=lambda i: entries[i].depth)
+    at: dict[bytes, int] = {}
+    parents = np.empty(len(order), np.int32)
+    tokens = np.empty((len(order), geometry.block_size), np.int32)
+    salts, ks, vs = [], [], []
+    for j, i in enumerate(order):
+        e = entries[i]
+        parents[j] = -1 if e.depth == 0 else at[e.parent]
+        at[e.key] = j
+        tokens[j] = e.tokens
+        salts.append(e.salt)
+        ks.append(e.k)
+        vs.append(e.v)
+    added, present, left_out = pool._import_prefixes(geometry.n_layers, tokens, salts,
+                                                     parents, ks, vs, fit=fit)
+    return {"entries": added, "tokens": added * geometry.block_size, "present": present,
+            "left_out": left_out}
+
+
+# -- an attached store ---------------------------------------------------------------
+
+def check_store(store: Any) -> None:
+    """A store has ``put_chain``, ``get_chain`` and ``stats`` (None detaches)."""
+    if store is None:
+        return
+    for name in ("put_chain", "get_chain", "stats"):
+        if not callable(getattr(store, name, None)):
+            raise TypeError(f"store must be a prefix store such as "
+                            f"ferrox_kv.store.RedisPrefixStore (it has no {name}()), got "
+                            f"{type(store).__name__}")
+
+
+def write_through(pool: Any, caches: Any, tokens: np.ndarray, salt: Any) -> int:
+    """After ``pool.publish``: the published blocks of one sequence
+    (``caches``: its layers; ``tokens``: the published positions) to the
+    attached store. Store faults are counted there, never raised."""
+    g = Geometry.of_pool(pool, len(caches))
+    n = len(tokens)
+    ks, vs = [], []
+    for c in caches:
+        k, v = c._stored()
+        ks.append(k[:n])
+        vs.append(v[:n])
+    entries = entries_from_rows(g, tokens, ks, vs, salt=salt)
+    return pool.store.put_chain(g, entries)
+
+
+def read_through(pool: Any, tokens: np.ndarray, salt: Any, n_layers: int) -> int:
+    """Before a lookup of ``tokens`` (whole blocks): the blocks past the local
+    prefix, fetched from the attached store (verified there), imported and
+    published, so that the lookup that follows shares them. A store fault
+    or a pool too full to take them is a miss here: nothing is raised and no
+    block stays taken. Returns the blocks added."""
+    store = pool.store
+    bs = pool.block_size
+    nb = len(tokens) // bs
+    local = pool._prefix_match(tokens, salt, n_layers)
+    if local >= nb:
+        return 0
+    g = Geometry.of_pool(pool, n_layers)
+    tail = store.get_chain(g, tokens, salt=salt, start=local, limit=nb - local)
+    if not tail:
+        return 0
+    # the import publishes whole chains from their first block: the local
+    # blocks' rows come too, so that an entry evicted meanwhile is filled
+    # with verified rows, never with placeholders
+    head = store.get_chain(g, tokens, salt=salt, start=0, limit=local) if local else []
+    if len(head) != local:
+        return 0
+    done = import_entries(pool, g, list(head) + list(tail), fit=True)
+    return done["entries"]

@@ -1,0 +1,171 @@
+"""One conversation parked in a file and resumed: KvCache.save / KvCache.load,
+FerroxCache.save / FerroxCache.load, ferrox_kv.hf.fingerprint."""
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("CI") == "true":
+    import xxhash  # noqa: F401
+else:
+    pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+
+import ferrox_kv
+from conftest import STORE_DIM, STORE_HEADS, pool_counts, rows, store_pool
+from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch
+from ferrox_kv.store._format import regions
+
+W = STORE_HEADS * STORE_DIM
+
+
+def _cache(dtype, n=21):
+    c = ferrox_kv.KvCache(STORE_HEADS, STORE_DIM, dtype=dtype)
+    c.extend(rows(n, W, 1), rows(n, W, 2))
+    return c
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_cache_round_trip_contiguous_and_pooled(tmp_path, dtype):
+    c = _cache(dtype)
+    path = tmp_path / "slot"
+    assert c.save(path, fingerprint="m") == os.path.getsize(path)
+    back = ferrox_kv.KvCache.load(path, fingerprint="m")
+    assert back.seq_len == 21 and back.dtype == dtype and not back.is_pooled
+    for a, b in zip(c._stored(), back._stored()):
+        assert np.array_equal(a, b)
+    pool = store_pool(32, dtype)
+    pooled = ferrox_kv.KvCache.load(path, fingerprint="m", pool=pool, max_seq_len=40)
+    assert pooled.is_pooled and pooled.seq_len == 21 and pooled.blocks_held == 10
+    for a, b in zip(c._stored(), pooled._stored()):
+        assert np.array_equal(a, b)
+    pooled.push(rows(1, W, 3)[0], rows(1, W, 4)[0])            # it goes on
+    assert np.array_equal(pooled.k[:21], c.k)
+    pooled.close()
+    pool.check()
+    assert pool.free_blocks == 32
+
+
+def test_cache_load_refusals_leave_the_pool_alone(tmp_path):
+    c = _cache("float32")
+    path = tmp_path / "slot"
+    c.save(path, fingerprint="m")
+    pool = store_pool(32)
+    before = pool_counts(pool)
+    with pytest.raises(StoreMismatch) as e:
+        ferrox_kv.KvCache.load(path, fingerprint="other", pool=pool)
+    assert e.value.field == "fingerprint"
+    with pytest.raises(StoreMismatch):
+        ferrox_kv.KvCache.load(path, pool=pool)            # saved with one: load needs it
+    with pytest.raises(ValueError):
+        ferrox_kv.KvCache.load(path, fingerprint="m", pool=store_pool(32, "int8"))
+    with pytest.raises(ferrox_kv.KvPoolExhausted):
+        ferrox_kv.KvCache.load(path, fingerprint="m", pool=store_pool(3))
+    good = path.read_bytes()
+    bad = tmp_path / "bad"
+    for name, lo, hi in regions(good):
+        data = bytearray(good)
+        data[(lo + hi) // 2] ^= 1
+        bad.write_bytes(bytes(data))
+        with pytest.raises(StoreFormatError):
+            ferrox_kv.KvCache.load(bad, fingerprint="m", pool=pool)
+        bad.write_bytes(good[:lo])
+        with pytest.raises(StoreFormatError):
+            ferrox_kv.KvCache.load(bad, fingerprint="m", pool=pool)
+    assert pool_counts(pool) == before
+    pool.check()
+
+
+def test_cache_save_refusals(tmp_path):
+    empty = ferrox_kv.KvCache(STORE_HEADS, STORE_DIM)
+    with pytest.raises(ValueError, match="nothing to save"):
+        empty.save(tmp_path / "x")
+    with pytest.raises(TypeError):
+        _cache("float32").save(tmp_path / "x", fingerprint=3.5)
+    assert not (tmp_path / "x").exists()
+
+
+def test_prefix_file_is_not_a_slot(tmp_path):
+    pool = store_pool(64)
+    from conftest import publish_seq
+    publish_seq(pool, list(range(12)), seed=1)
+    publish_seq(pool, list(range(50, 62)), seed=2)
+    pool.save_prefixes(tmp_path / "p", fingerprint="m")
+    with pytest.raises(StoreMismatch) as e:
+        ferrox_kv.KvCache.load(tmp_path / "p", fingerprint="m")
+    assert e.value.field == "n_entries"
+
+
+# -- transformers ------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import ferrox_kv.hf  # noqa: E402,F401  (registers the "ferrox" attention)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(4321)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    m.generation_config.pad_token_id = 0
+    m.set_attn_implementation("ferrox")
+    return m
+
+
+def _gen(model, ids, cache, n):
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_loaded_ferrox_cache_continues_token_identically(tmp_path, llama, pooled):
+    from ferrox_kv.hf import FerroxCache, fingerprint, kv_geometry
+    ids = torch.randint(1, 256, (1, 13), generator=torch.Generator().manual_seed(3))
+    whole = _gen(llama, ids, FerroxCache(llama.config, dtype="float32"), 24)
+    first = _gen(llama, ids, cache := FerroxCache(llama.config, dtype="float32"), 11)
+    fp = fingerprint(llama)
+    cache.save(tmp_path / "conv", fingerprint=fp)
+    cache.close()
+    pool = None
+    if pooled:
+        _, h, d = kv_geometry(llama.config)
+        pool = ferrox_kv.KvBlockPool(8, 64, h, d)
+    resumed = FerroxCache.load(tmp_path / "conv", llama.config, pool=pool, max_seq_len=64,
+                               fingerprint=fp)
+    assert resumed.get_seq_length() == first.shape[1] - 1
+    rest = _gen(llama, first, resumed, 13)
+    assert torch.equal(rest, whole)
+    resumed.close()
+    if pool is not None:
+        pool.check()
+        assert pool.free_blocks == 64
+
+
+def test_ferrox_cache_load_refuses_another_model(tmp_path, llama):
+    from ferrox_kv.hf import FerroxCache, fingerprint
+    ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    _gen(llama, ids, cache := FerroxCache(llama.config, dtype="float32"), 3)
+    cache.save(tmp_path / "conv", fingerprint=fingerprint(llama))
+    other_cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    with pytest.raises(StoreMismatch) as e:
+        FerroxCache.load(tmp_path / "conv", other_cfg, fingerprint=fingerprint(llama))
+    assert e.value.field == "n_layers"
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(llama.config)
+    assert fingerprint(other) != fingerprint(llama)
+    with pytest.raises(StoreMismatch) as e:
+        FerroxCache.load(tmp_path / "conv", llama.config, fingerprint=fingerprint(other))
+    assert e.value.field == "fingerprint"
+
+
+def test_fingerprint_is_computed_once(llama, monkeypatch):
+    from ferrox_kv.hf import fingerprint
+    fp = fingerprint(llama)
+    assert isinstance(fp, bytes) and len(fp) == 64
+    monkeypatch.setattr(type(llama), "named_parameters",
+                        lambda self: (_ for _ in ()).throw(AssertionError("hashed again")))
+    assert fingerprint(llama) == fp
