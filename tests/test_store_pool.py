@@ -253,9 +253,11 @@ def test_restart_across_processes(tmp_path):
         print(n)
         pool.check()
     """)
-    subprocess.run([sys.executable, "-c", save], check=True, timeout=120)
+    # cwd: python -c puts the working directory first on sys.path, and the
+    # repository root's ferrox_kv/ is the source tree, not the installed package
+    subprocess.run([sys.executable, "-c", save], check=True, timeout=120, cwd=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", load], check=True, timeout=120,
-                         capture_output=True, text=True).stdout.split()
+                         capture_output=True, text=True, cwd=str(tmp_path)).stdout.split()
     assert out == ["5", "20"]
     want, got = np.load(tmp_path / "want.npy"), np.load(tmp_path / "got.npy")
     assert want.shape == got.shape == (2, 20, want.shape[2])
