@@ -1,6 +1,6 @@
 """The small transformers model the ``hf`` group and the sharing group's
-chat-turn row time, and the two steps they share (a prefill of random K/V, a
-timed decode). Needs torch and transformers; imported only by those groups.
+chat-turn row time, and the steps they share (a prefill of random K/V, a
+timed decode, the best of several interleaved). Needs torch and transformers; imported only by those groups.
 
 The model: a 2-layer Llama with Llama-3-8B's attention geometry (32 query
 heads over 8 KV heads x 128, hidden 1024), random weights, float32, one torch
@@ -60,3 +60,25 @@ def decode(model, cache, tokens, first):
         dt = time.perf_counter() - t0
         gc.enable()
     return dt / tokens, logits
+
+
+def best_decode(model, variants, kv, tokens, first, reps):
+    """Each variant ``slug: (attention implementation, make the cache)``
+    prefilled with ``kv`` and decoded, ``reps`` times interleaved: the best
+    seconds per token of each, and each one's first-step logits. The model's
+    attention is left at "sdpa"."""
+    best = {k: float("inf") for k in variants}
+    logits = {}
+    for _ in range(reps):
+        for slug, (impl, make) in variants.items():
+            model.set_attn_implementation(impl)
+            cache = make()
+            prefill(cache, kv)
+            sec, lg = decode(model, cache, tokens, first)
+            best[slug] = min(best[slug], sec)
+            logits.setdefault(slug, lg)
+            if hasattr(cache, "close"):
+                cache.close()
+            del cache
+    model.set_attn_implementation("sdpa")
+    return best, logits

@@ -13,7 +13,7 @@ def bench_hf(res, contexts, quick=False, log=print):
 
     import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
     from ferrox_kv import KvBlockPool
-    from ferrox_kv.bench.llama import decode, make_model, prefill
+    from ferrox_kv.bench.llama import best_decode, make_model
     from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
 
     tokens = 8 if quick else 16
@@ -39,20 +39,7 @@ def bench_hf(res, contexts, quick=False, log=print):
             "static": ("sdpa", lambda: StaticCache(config=cfg, max_cache_len=max_len)),
             "ferrox": (ATTENTION, lambda: FerroxCache(cfg, pool=pool, max_seq_len=max_len)),
         }
-        best = {k: float("inf") for k in variants}
-        logits = {}
-        for _ in range(reps):
-            for slug, (impl, make) in variants.items():
-                model.set_attn_implementation(impl)
-                cache = make()
-                prefill(cache, kv)
-                sec, lg = decode(model, cache, tokens, first)
-                best[slug] = min(best[slug], sec)
-                logits.setdefault(slug, lg)
-                if hasattr(cache, "close"):
-                    cache.close()
-                del cache
-        model.set_attn_implementation("sdpa")
+        best, logits = best_decode(model, variants, kv, tokens, first, reps)
         # the same weights and K/V: the first step's logits agree across caches
         diff = {k: float((v - logits["dynamic"]).abs().max()) for k, v in logits.items()}
         log(f"hf decode @ {ctx}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())

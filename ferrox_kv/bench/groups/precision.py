@@ -136,7 +136,7 @@ def bench_hf_bf16(res, contexts, quick=False):
     import torch
     from transformers import DynamicCache
 
-    from ferrox_kv.bench.llama import decode, make_model, prefill
+    from ferrox_kv.bench.llama import best_decode, make_model
     from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
 
     tokens = 8 if quick else 16
@@ -155,18 +155,7 @@ def bench_hf_bf16(res, contexts, quick=False):
             "dynamic": ("sdpa", lambda: DynamicCache(config=cfg)),
             "ferrox": (ATTENTION, lambda: FerroxCache(cfg, pool=pool, max_seq_len=max_len)),
         }
-        best = {k: float("inf") for k in variants}
-        for _ in range(reps):
-            for slug, (impl, make) in variants.items():
-                model.set_attn_implementation(impl)
-                cache = make()
-                prefill(cache, kv)
-                sec, _ = decode(model, cache, tokens, first)
-                best[slug] = min(best[slug], sec)
-                if hasattr(cache, "close"):
-                    cache.close()
-                del cache
-        model.set_attn_implementation("sdpa")
+        best, _ = best_decode(model, variants, kv, tokens, first, reps)
         ms = {k: v * 1e3 for k, v in best.items()}
         log(f"precision hf bf16 @ {ctx}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
         res.add("precision", f"llama-{layers}L", "precision.hf_bf16",
