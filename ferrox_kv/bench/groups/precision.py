@@ -11,6 +11,8 @@ Rows (slug: what, ratio of):
   precision.chunk.<dt>         causal chunk q_len 256 over 2048, of SDPA with a causal mask
   precision.hf_bf16            bf16 model per token: FerroxCache(dtype="auto") + ferrox
                                attention, of DynamicCache + SDPA in bf16
+  precision.hf_bf16_attn       the same, each minus the per-token floor at a 16-position
+                               context (the model's matmuls without attention)
 """
 import numpy as np
 
@@ -129,10 +131,16 @@ def bench_precision(res, quick=False, reps=5, torch=None):
     return res
 
 
+FLOOR_CONTEXT = 16
+
+
 def bench_hf_bf16(res, contexts, quick=False):
     """Per-token decode of the hf group's model in bfloat16: FerroxCache with
     dtype="auto" (bfloat16 storage, pooled) and the ferrox attention against
-    DynamicCache + SDPA, both holding the same bf16 K/V."""
+    DynamicCache + SDPA, both holding the same bf16 K/V. A first pass at a
+    ``FLOOR_CONTEXT``-position context gives the model's per-token cost with
+    next to no attention (the faster variant's); each context's second row is
+    the time above that floor, which is attention's own share."""
     import torch
     from transformers import DynamicCache
 
@@ -145,7 +153,8 @@ def bench_hf_bf16(res, contexts, quick=False):
     model = model.to(torch.bfloat16)
     layers, h, d = kv_geometry(cfg)
     first = torch.tensor([[7]])
-    for ctx in contexts:
+    floor = None
+    for ctx in [FLOOR_CONTEXT] + list(contexts):
         max_len = ctx + tokens + 2
         gen = torch.Generator().manual_seed(ctx)
         kv = [(torch.randn(1, h, ctx, d, generator=gen).to(torch.bfloat16),
@@ -158,11 +167,20 @@ def bench_hf_bf16(res, contexts, quick=False):
         best, _ = best_decode(model, variants, kv, tokens, first, reps)
         ms = {k: v * 1e3 for k, v in best.items()}
         log(f"precision hf bf16 @ {ctx}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
+        assert pool.free_blocks == pool.total_blocks
+        if floor is None:
+            floor = min(ms.values())
+            continue
         res.add("precision", f"llama-{layers}L", "precision.hf_bf16",
                 f"bf16 model, FerroxCache auto + ferrox attn @ {ctx}", ms["ferrox"], "ms/token",
                 ms["ferrox"] / ms["dynamic"], "DynamicCache + SDPA, bf16", context=ctx,
-                dynamic_ms=ms["dynamic"], tokens=tokens)
-        assert pool.free_blocks == pool.total_blocks
+                dynamic_ms=ms["dynamic"], floor_ms=floor, tokens=tokens)
+        res.add("precision", f"llama-{layers}L", "precision.hf_bf16_attn",
+                f"bf16 model, per token above the {FLOOR_CONTEXT}-position floor @ {ctx}",
+                ms["ferrox"] - floor, "ms/token",
+                (ms["ferrox"] - floor) / max(ms["dynamic"] - floor, 1e-9),
+                "DynamicCache + SDPA above the floor", context=ctx, floor_ms=floor,
+                floor_share=floor / ms["dynamic"], tokens=tokens)
 
 
 def run(r):
