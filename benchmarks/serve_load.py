@@ -33,68 +33,23 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ferrox_kv.serve._process import ServerProcess
 
 
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+def start(model_dir, *args):
+    return ServerProcess(model_dir, *args, start_timeout=300)
 
 
-class Server:
-    def __init__(self, model_dir, *args):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="serve-load-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ferrox_kv.serve", model_dir, "--port", str(self.port),
-             *map(str, args)], stdout=self.log, stderr=subprocess.STDOUT,
-            cwd=tempfile.gettempdir())
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited: see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise SystemExit("the server did not start")
-
-    def health(self):
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def idle(self):
-        for _ in range(600):
-            h = self.health()
-            if h["running"] == 0 and h["waiting"] == 0:
-                return h
-            time.sleep(0.05)
-        return h
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-        with open(self.log.name) as f:
-            tail = f.read().strip().splitlines()[-1:]
-        return self.proc.returncode, tail
+def stop(srv):
+    """SIGTERM; (exit status, the server's last line)."""
+    rc = srv.stop(120)
+    return rc, srv.log().strip().splitlines()[-1:]
 
 
 def prompts(n, rng, system):
@@ -165,7 +120,7 @@ async def load(url, n_clients, per_client, max_tokens, rng, system):
 
 
 def run_mode(model_dir, mode, clients, args, system, extra=()):
-    srv = Server(model_dir, "--mode", mode, "--kv-blocks", args.kv_blocks, "--max-batch",
+    srv = start(model_dir, "--mode", mode, "--kv-blocks", args.kv_blocks, "--max-batch",
                  max(clients), "--max-queue", 256, "--queue-timeout", 300,
                  "--torch-threads", args.torch_threads, *extra)
     rows = []
@@ -174,15 +129,15 @@ def run_mode(model_dir, mode, clients, args, system, extra=()):
         for n in clients:
             rng = random.Random(n)
             row = asyncio.run(load(srv.url, n, args.requests, args.max_tokens, rng, system))
-            srv.idle()
-            rss[n] = rss_kib(srv.proc.pid)
+            srv.wait_idle()
+            rss[n] = srv.rss_kib()
             row.update(mode=mode + ("" if not extra else " " + " ".join(map(str, extra))),
                        rss_kib=rss[n])
             rows.append(row)
             print(fmt(row), flush=True)
     finally:
-        h = srv.idle()
-        rc, tail = srv.stop()
+        h = srv.wait_idle()
+        rc, tail = stop(srv)
     return rows, h, rc, tail
 
 
@@ -190,14 +145,14 @@ def overload(model_dir, args, system):
     """64 clients, one request each, on a pool for 8 requests."""
     per_req = args.max_tokens + 160                      # the longest prompt + max_tokens
     blocks = 8 * 2 * -(-per_req // 16)
-    srv = Server(model_dir, "--kv-blocks", blocks, "--max-batch", 16, "--max-queue", 16,
+    srv = start(model_dir, "--kv-blocks", blocks, "--max-batch", 16, "--max-queue", 16,
                  "--queue-timeout", 5, "--torch-threads", args.torch_threads)
     try:
         rng = random.Random(64)
         row = asyncio.run(load(srv.url, 64, 1, args.max_tokens, rng, system))
-        h = srv.idle()
+        h = srv.wait_idle()
     finally:
-        rc, tail = srv.stop()
+        rc, tail = stop(srv)
     good = sum(v for k, v in row["statuses"].items() if k in ("200", "503+RA"))
     row.update(mode=f"pool for 8 ({blocks} blocks)", share_ok=good / row["requests"],
                used_blocks_after=h["used_blocks"], exit=rc, exit_line=tail)
@@ -206,7 +161,7 @@ def overload(model_dir, args, system):
 
 
 def soak(model_dir, args, system):
-    srv = Server(model_dir, "--kv-blocks", args.kv_blocks, "--max-batch", 16, "--max-queue", 64,
+    srv = start(model_dir, "--kv-blocks", args.kv_blocks, "--max-batch", 16, "--max-queue", 64,
                  "--queue-timeout", 30, "--torch-threads", args.torch_threads)
     rng = random.Random(10)
     try:
@@ -225,17 +180,17 @@ def soak(model_dir, args, system):
                                       rng.randrange(1, args.max_tokens + 1), drop_after=drop)
                         done += 1
                         if done == min(200, args.soak // 2):
-                            rss0 = rss_kib(srv.proc.pid)
+                            rss0 = srv.rss_kib()
                         return r[0]
                 return await asyncio.gather(*[go() for _ in range(args.soak)])
 
         t0 = time.perf_counter()
         statuses = asyncio.run(main())
         wall = time.perf_counter() - t0
-        h = srv.idle()
-        rss1 = rss_kib(srv.proc.pid)
+        h = srv.wait_idle()
+        rss1 = srv.rss_kib()
     finally:
-        rc, tail = srv.stop()
+        rc, tail = stop(srv)
     row = {"mode": "soak", "requests": args.soak, "wall_s": wall,
            "statuses": {str(s): statuses.count(s) for s in set(statuses)},
            "blocks_lost": h["used_blocks"], "rss_kib_early": rss0, "rss_kib_end": rss1,

@@ -431,14 +431,6 @@ def test_clients_that_leave_give_their_blocks_back(server):
     assert metric(server, "ferrox:request_cancelled_total", '{where="running"}') > before
 
 
-def _rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 SOAK_REQUESTS = int(os.environ.get("FERROX_KV_SOAK_REQUESTS", "120"))
 
 
@@ -467,12 +459,12 @@ def test_soak_random_lengths_and_disconnects_loses_no_block(server):
 
     asyncio.run(run(32))                          # warm up: allocator, caches, metrics
     assert_blocks_back(server)
-    rss0 = _rss_kib(server.proc.pid)
+    rss0 = server.rss_kib()
     results = asyncio.run(run(SOAK_REQUESTS))
     assert all(s in (200, 503, "dropped") for s, _, _ in results), \
         sorted({str(s) for s, _, _ in results})
     assert_blocks_back(server)
-    rss1 = _rss_kib(server.proc.pid)
+    rss1 = server.rss_kib()
     assert rss1 <= rss0 * 1.15 + 16 * 1024, (rss0, rss1)
 
 
