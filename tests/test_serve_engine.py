@@ -105,6 +105,7 @@ def test_the_serve_subcommand_and_a_missing_model_dir(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for opt in ("--kv-gib", "--kv-blocks", "--block-size", "--dtype", "--kv-dtype", "--mode",
+                "--threads-cache",
                 "--max-batch",
                 "--max-queue", "--queue-timeout", "--host", "--port"):
         assert opt in out.stdout
@@ -181,3 +182,11 @@ def test_an_int8_pool_serves_a_request_to_its_end(parts):
     assert got.count("token") >= 1 and got[-1] == "done", got
     assert pool.used_blocks == pool.cached_blocks     # the finished request's blocks: cached
     pool.check()
+
+
+def test_threads_cache_is_ferrox_or_dynamic_and_dynamic_needs_threads_mode(parts):
+    with pytest.raises(ValueError, match="pass mode='threads'"):
+        _engine(parts, threads_cache="dynamic")
+    with pytest.raises(ValueError, match="'ferrox' or 'dynamic'"):
+        _engine(parts, mode="threads", threads_cache="static")
+    assert _engine(parts, mode="threads", threads_cache="dynamic").threads_cache == "dynamic"

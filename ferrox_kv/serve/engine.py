@@ -27,7 +27,13 @@ Continuous batching (``mode="batch"``). Each step of the loop:
 
 ``mode="threads"`` is the fallback and the baseline: the same admission, but
 each admitted request runs its own prefill and decode (batch 1) in a thread of
-its own.
+its own. ``threads_cache="ferrox"`` keeps its K/V in its reservation (and the
+prefix cache serves it); ``threads_cache="dynamic"`` is transformers' own
+path, the issue's baseline: the K/V in a ``DynamicCache`` and attention by
+SDPA (what the "ferrox" attention runs for any other cache), one forward per
+token as ``generate`` does; its reservation is held as the admission ticket
+only, so admission, the queue and the 503s are the same, and the prefix
+cache is neither read nor published.
 
 The server never calls ``fork()``: one process, these threads, uvicorn's event
 loop.
@@ -41,7 +47,7 @@ import time
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
 from ferrox_kv._core import _extend_each
@@ -229,7 +235,9 @@ class Engine:
     """The model, its tokenizer, one ``KvBlockPool`` and the step loop.
 
     ``Engine(model, tokenizer, pool, *, mode="batch", max_batch=16,
-    max_queue=64, queue_timeout=30.0, prefill_chunk=256)``. ``start()``
+    max_queue=64, queue_timeout=30.0, prefill_chunk=256,
+    threads_cache="ferrox")`` (``threads_cache``: ``"ferrox"`` or
+    ``"dynamic"``, threads mode only). ``start()``
     launches the scheduler thread; ``submit(request)`` queues a request (or
     raises ``Overloaded`` / ``NeverFits``); ``drain(deadline)`` stops
     admitting and waits for the running requests; ``close()`` cancels what is
@@ -237,9 +245,15 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, pool: KvBlockPool, *, mode="batch", max_batch=16,
-                 max_queue=64, queue_timeout=30.0, prefill_chunk=256, metrics=None):
+                 max_queue=64, queue_timeout=30.0, prefill_chunk=256, threads_cache="ferrox",
+                 metrics=None):
         if mode not in ("batch", "threads"):
             raise ValueError(f"mode must be 'batch' or 'threads', got {mode!r}")
+        if threads_cache not in ("ferrox", "dynamic"):
+            raise ValueError(f"threads_cache must be 'ferrox' or 'dynamic', got {threads_cache!r}")
+        if threads_cache == "dynamic" and mode != "threads":
+            raise ValueError("threads_cache='dynamic' is the threads mode's baseline; "
+                             "pass mode='threads' with it")
         if getattr(model.config, "_attn_implementation", None) != ATTENTION:
             raise ValueError(f"the model must run attn_implementation={ATTENTION!r}")
         self.n_layers, n_kv, head_dim = kv_geometry(model.config)
@@ -255,6 +269,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.pool = pool
         self.mode = mode
+        self.threads_cache = threads_cache
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
         self.queue_timeout = float(queue_timeout)
@@ -450,12 +465,12 @@ class Engine:
             if len(self._running) >= self.max_batch:
                 return
             r = self._queue[0]
-            salt = r.tenant if r.tenant is not None else None
+            reuse = self.pool.prefix_cache and self.threads_cache == "ferrox"
             try:
                 r.caches = KvCache.with_pool_many(
                     self.n_layers, self.n_kv, self.head_dim, self.pool, r.reserve,
-                    tokens=np.asarray(r.prompt_ids, dtype=np.int64) if self.pool.prefix_cache else None,
-                    salt=salt)
+                    tokens=np.asarray(r.prompt_ids, dtype=np.int64) if reuse else None,
+                    salt=r.tenant)
             except KvPoolExhausted:
                 return                          # the head waits; nobody overtakes it
             self._queue.popleft()
@@ -575,7 +590,7 @@ class Engine:
         if r in self._running:
             self._running.remove(r)
         if r.caches is not None:
-            if publish and self.pool.prefix_cache:
+            if publish and self.pool.prefix_cache and self.threads_cache == "ferrox":
                 have = r.caches[0].seq_len
                 ids = (r.prompt_ids + r.output_ids)[:have]
                 try:
@@ -600,18 +615,40 @@ class Engine:
     # -- threads mode ----------------------------------------------------------
 
     def _thread_main(self, r):
-        """``mode="threads"``: one request, batch 1, in its own thread."""
+        """``mode="threads"``: one request, batch 1, in its own thread; its
+        K/V in its reservation (``threads_cache="ferrox"``) or in a
+        ``DynamicCache`` (``"dynamic"``)."""
+        if self.threads_cache == "dynamic":
+            cache = DynamicCache(config=self.model.config)
+
+            def forward(tokens):
+                out = self.model(input_ids=torch.tensor([tokens], dtype=torch.long),
+                                 cache=cache, use_cache=True, logits_to_keep=1)
+                return out.logits[0, -1, :]
+
+            def length():
+                return cache.get_seq_length()
+        else:
+            def forward(tokens):
+                return self._forward([r], [tokens])[0]
+
+            def length():
+                return r.caches[0].seq_len
         try:
             with torch.inference_mode():
                 while not r.cancelled and r.finish_reason is None and not self._stopping:
-                    if r.caches[0].seq_len < len(r.prompt_ids):
-                        self._prefill_chunk(r)
+                    have = length()
+                    if have < len(r.prompt_ids):
+                        chunk = r.prompt_ids[have:have + self.prefill_chunk]
+                        logits = forward(chunk)
+                        if have + len(chunk) == len(r.prompt_ids):
+                            self._accept(r, r.sampling.pick(logits))
                     else:
                         t0 = time.perf_counter()
-                        logits = self._forward([r], [[r.output_ids[-1]]])
+                        logits = forward([r.output_ids[-1]])
                         dt = time.perf_counter() - t0
                         self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
-                        self._accept(r, r.sampling.pick(logits[0]))
+                        self._accept(r, r.sampling.pick(logits))
         except Exception as e:
             with self._cv:
                 self._fail(r, e)
