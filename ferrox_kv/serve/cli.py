@@ -46,7 +46,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--queue-timeout", type=float, default=30.0,
                     help="seconds a request may wait for blocks before a 503 (30)")
     ap.add_argument("--prefill-chunk", type=int, default=256,
-                    help="prompt positions prefilled per step and request (256)")
+                    help="prompt positions prefilled per step: all admitted requests together "
+                         "in batch mode, each request's own in threads mode (256)")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="turn the pool's prefix cache off")
     ap.add_argument("--default-max-tokens", type=int, default=256,
