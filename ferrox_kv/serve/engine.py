@@ -181,7 +181,9 @@ class _StepLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, kwargs=None, **extra):
         """Store the step's rows, each sequence's in its own cache, and hand
-        the layer to the "ferrox" attention, which calls ``attend_packed``."""
+        the layer to the "ferrox" attention, which calls ``attend_packed``.
+        A failure part way is undone by the engine (``_roll_back``: every
+        layer of every sequence back to its length before the forward)."""
         if kwargs is None:
             raise RuntimeError("the model did not pass its attention kwargs to the cache; "
                                "ferrox_kv.serve needs a transformers 5 model")
