@@ -10,19 +10,27 @@ timeout, every run a request count.
 
 Rows:
 
-* ``batch`` and ``threads`` mode at each N (``--clients 1 4 16 64``): output
-  tokens/s, p50/p99 latency and time to first token, statuses;
+* at each N (``--clients 1 4 16 64``), in each of three server modes:
+  ``batch`` (continuous batching), ``threads (DynamicCache)`` (``--mode
+  threads --threads-cache dynamic``: one thread per request, transformers'
+  DynamicCache and SDPA, the issue's baseline) and ``threads (ferrox)``
+  (``--mode threads``: one thread per request on its own caches from the
+  pool): output tokens/s, p50/p99 latency and time to first token, statuses;
 * prefix cache off at 16 clients (p99 TTFT, cached vs not);
 * 64 clients on a pool sized for 8 requests (``--max-queue 16``): the share
   of 200 and of 503 + Retry-After, anything else;
 * resident memory of the server after 64 clients vs after 1;
-* ``--soak N``: N requests, a fifth of them dropped by their client at a
-  random point; blocks lost afterwards;
+* ``--soak N``: N requests on the tiny model (random short prompts and
+  lengths, a fifth dropped by their client at a random point), bounded by
+  ``--soak-seconds``; blocks lost, resident memory at start, middle and end;
 * ``--generate-batch``: transformers' own continuous batching
-  (``model.generate_batch``) on the same requests at 16, in process.
+  (``model.generate_batch``) on the 16-client row's requests, in process.
 
-    python benchmarks/serve_load.py [--clients 1 4 16 64] [--requests 4] [--max-tokens 32]
-        [--soak 10000] [--generate-batch] [--json FILE] [--plot FILE.png]
+Then the per-N table, the issue's table, and with ``--plot FILE.png``
+tokens/s and p99 latency against N per mode. The issue's table comes from
+
+    python benchmarks/serve_load.py --clients 1 4 16 64 --requests 2 --max-tokens 16 \
+        --generate-batch --soak 10000 --plot serve.png --json serve.json
 
 Figures on a busy machine are noisy; ratios within one run are what count.
 """
@@ -33,68 +41,23 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ferrox_kv.serve._process import ServerProcess
 
 
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+def start(model_dir, *args):
+    return ServerProcess(model_dir, *args, start_timeout=300)
 
 
-class Server:
-    def __init__(self, model_dir, *args):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="serve-load-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ferrox_kv.serve", model_dir, "--port", str(self.port),
-             *map(str, args)], stdout=self.log, stderr=subprocess.STDOUT,
-            cwd=tempfile.gettempdir())
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited: see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise SystemExit("the server did not start")
-
-    def health(self):
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def idle(self):
-        for _ in range(600):
-            h = self.health()
-            if h["running"] == 0 and h["waiting"] == 0:
-                return h
-            time.sleep(0.05)
-        return h
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-        with open(self.log.name) as f:
-            tail = f.read().strip().splitlines()[-1:]
-        return self.proc.returncode, tail
+def stop(srv):
+    """SIGTERM; (exit status, the server's last line)."""
+    rc = srv.stop(120)
+    return rc, srv.log().strip().splitlines()[-1:]
 
 
 def prompts(n, rng, system):
@@ -164,25 +127,34 @@ async def load(url, n_clients, per_client, max_tokens, rng, system):
             "statuses": statuses}
 
 
-def run_mode(model_dir, mode, clients, args, system, extra=()):
-    srv = Server(model_dir, "--mode", mode, "--kv-blocks", args.kv_blocks, "--max-batch",
-                 max(clients), "--max-queue", 256, "--queue-timeout", 300,
-                 "--torch-threads", args.torch_threads, *extra)
+# the rows' server modes: label -> the server's arguments
+MODES = {
+    "batch": ("--mode", "batch"),
+    "threads (DynamicCache)": ("--mode", "threads", "--threads-cache", "dynamic"),
+    "threads (ferrox)": ("--mode", "threads", "--threads-cache", "ferrox"),
+}
+MODE_NAMES = {"batch": "batch", "threads-dynamic": "threads (DynamicCache)",
+              "threads-ferrox": "threads (ferrox)"}
+BASELINE = "threads (DynamicCache)"     # the issue's: thread-per-request generate, DynamicCache
+
+
+def run_mode(model_dir, label, clients, args, system, extra=()):
+    srv = start(model_dir, *MODES[label], "--kv-blocks", args.kv_blocks, "--max-batch",
+                max(clients), "--max-queue", 256, "--queue-timeout", 300,
+                "--torch-threads", args.torch_threads, *extra)
     rows = []
     try:
-        rss = {}
         for n in clients:
             rng = random.Random(n)
             row = asyncio.run(load(srv.url, n, args.requests, args.max_tokens, rng, system))
-            srv.idle()
-            rss[n] = rss_kib(srv.proc.pid)
-            row.update(mode=mode + ("" if not extra else " " + " ".join(map(str, extra))),
-                       rss_kib=rss[n])
+            srv.wait_idle()
+            row.update(mode=label + ("" if not extra else " " + " ".join(map(str, extra))),
+                       rss_kib=srv.rss_kib())
             rows.append(row)
             print(fmt(row), flush=True)
     finally:
-        h = srv.idle()
-        rc, tail = srv.stop()
+        h = srv.wait_idle()
+        rc, tail = stop(srv)
     return rows, h, rc, tail
 
 
@@ -190,14 +162,14 @@ def overload(model_dir, args, system):
     """64 clients, one request each, on a pool for 8 requests."""
     per_req = args.max_tokens + 160                      # the longest prompt + max_tokens
     blocks = 8 * 2 * -(-per_req // 16)
-    srv = Server(model_dir, "--kv-blocks", blocks, "--max-batch", 16, "--max-queue", 16,
-                 "--queue-timeout", 5, "--torch-threads", args.torch_threads)
+    srv = start(model_dir, "--kv-blocks", blocks, "--max-batch", 16, "--max-queue", 16,
+                "--queue-timeout", 5, "--torch-threads", args.torch_threads)
     try:
         rng = random.Random(64)
         row = asyncio.run(load(srv.url, 64, 1, args.max_tokens, rng, system))
-        h = srv.idle()
+        h = srv.wait_idle()
     finally:
-        rc, tail = srv.stop()
+        rc, tail = stop(srv)
     good = sum(v for k, v in row["statuses"].items() if k in ("200", "503+RA"))
     row.update(mode=f"pool for 8 ({blocks} blocks)", share_ok=good / row["requests"],
                used_blocks_after=h["used_blocks"], exit=rc, exit_line=tail)
@@ -205,47 +177,103 @@ def overload(model_dir, args, system):
     return row
 
 
-def soak(model_dir, args, system):
-    srv = Server(model_dir, "--kv-blocks", args.kv_blocks, "--max-batch", 16, "--max-queue", 64,
-                 "--queue-timeout", 30, "--torch-threads", args.torch_threads)
+def soak(args):
+    """``args.soak`` requests, 16 at a time, on the tiny model (the soak is
+    about blocks and memory, not speed): random short prompts (a tenant's
+    shared prefix or not), random ``max_tokens`` up to ``--soak-max-tokens``,
+    streaming or not, a fifth dropped by their client at a random point
+    (mid-stream, or by a timeout while queued or running). Bounded: no new
+    request starts after ``--soak-seconds``. Resident memory at the start
+    (after a warm-up), the middle and the end (idle); blocks lost."""
+    from ferrox_kv.serve.tiny import SYSTEM, TEXT, make_model_dir
+
+    model_dir = args.soak_model_dir or os.path.join(tempfile.gettempdir(),
+                                                    "ferrox-serve-soak-model")
+    if not os.path.exists(model_dir):
+        make_model_dir(model_dir)
+    srv = start(model_dir, "--kv-blocks", 256, "--max-batch", 16, "--max-queue", 64,
+                "--queue-timeout", 30, "--prefill-chunk", 64,
+                "--torch-threads", args.torch_threads)
     rng = random.Random(10)
+    rss = {}
+
+    def body():
+        head = rng.choice(["", SYSTEM[:48]])
+        b = {"prompt": head + TEXT[:rng.randrange(1, 48)],
+             "max_tokens": rng.randrange(1, args.soak_max_tokens + 1),
+             "temperature": rng.choice([0, 0.8]), "stream": rng.random() < 0.7,
+             "user": rng.choice([None, "a", "b"])}
+        return {k: v for k, v in b.items() if v is not None}
+
+    async def request(client, b, drop):
+        """(status, tokens); a dropped request: the client leaves mid-stream
+        or times out."""
+        url = srv.url + "/v1/completions"
+        try:
+            if not b["stream"]:
+                r = await client.post(url, json=b, timeout=rng.uniform(0.02, 0.3) if drop else 120)
+                return r.status_code, (r.json()["usage"]["completion_tokens"]
+                                       if r.status_code == 200 else 0)
+            async with client.stream("POST", url, json=b, timeout=120) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return r.status_code, 0
+                n = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        n += 1
+                        if drop and n >= drop:
+                            return "dropped", 0
+                return 200, n
+        except httpx.TimeoutException:
+            return ("dropped" if drop else "timeout"), 0
+
+    async def run(n, deadline, mark=None):
+        sem = asyncio.Semaphore(16)
+        done = 0
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=32)) as client:
+            async def go():
+                nonlocal done
+                async with sem:
+                    if time.monotonic() > deadline:
+                        return "not run", 0
+                    drop = rng.randrange(1, 8) if rng.random() < 0.2 else 0
+                    r = await request(client, body(), drop)
+                    done += 1
+                    if mark is not None and done == n // 2:
+                        rss["middle"] = srv.rss_kib()
+                    return r
+            return await asyncio.gather(*[go() for _ in range(n)])
+
     try:
-        rss0 = None
-
-        async def main():
-            nonlocal rss0
-            sem = asyncio.Semaphore(16)
-            done = 0
-            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=32)) as client:
-                async def go():
-                    nonlocal done, rss0
-                    async with sem:
-                        drop = rng.randrange(1, 8) if rng.random() < 0.2 else None
-                        r = await one(client, srv.url, prompts(1, rng, system)[0],
-                                      rng.randrange(1, args.max_tokens + 1), drop_after=drop)
-                        done += 1
-                        if done == min(200, args.soak // 2):
-                            rss0 = rss_kib(srv.proc.pid)
-                        return r[0]
-                return await asyncio.gather(*[go() for _ in range(args.soak)])
-
+        asyncio.run(run(200, time.monotonic() + 600))          # warm-up: allocator, caches
+        srv.wait_idle()
+        rss["start"] = srv.rss_kib()
         t0 = time.perf_counter()
-        statuses = asyncio.run(main())
+        results = asyncio.run(run(args.soak, time.monotonic() + args.soak_seconds, mark=True))
         wall = time.perf_counter() - t0
-        h = srv.idle()
-        rss1 = rss_kib(srv.proc.pid)
+        h = srv.wait_idle()
+        rss["end"] = srv.rss_kib()
     finally:
-        rc, tail = srv.stop()
-    row = {"mode": "soak", "requests": args.soak, "wall_s": wall,
-           "statuses": {str(s): statuses.count(s) for s in set(statuses)},
-           "blocks_lost": h["used_blocks"], "rss_kib_early": rss0, "rss_kib_end": rss1,
+        rc, tail = stop(srv)
+    statuses = {}
+    for st, _ in results:
+        statuses[str(st)] = statuses.get(str(st), 0) + 1
+    row = {"mode": "soak (tiny model)", "requests": args.soak, "wall_s": wall,
+           "ran": args.soak - statuses.get("not run", 0),
+           "tokens": sum(n for _, n in results), "statuses": statuses,
+           "blocks_lost": h["used_blocks"], "rss_kib_start": rss["start"],
+           "rss_kib_middle": rss.get("middle"), "rss_kib_end": rss["end"],
            "exit": rc, "exit_line": tail}
     print(json.dumps(row), flush=True)
     return row
 
 
 def generate_batch(model_dir, args, system):
-    """transformers' continuous batching in process on 16 clients' requests."""
+    """transformers' continuous batching in process (``generate_batch``, its
+    own paged cache) on the 16-client row's requests: the same prompts,
+    ``--max-tokens`` new tokens each, greedy, one torch thread as the server.
+    Run twice: the first call also warms it up; the second is the row."""
     import torch
     import transformers
 
@@ -256,13 +284,16 @@ def generate_batch(model_dir, args, system):
     reqs = [tok(p)["input_ids"] for p in prompts(16 * args.requests, rng, system)]
     cfg = transformers.GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False,
                                         eos_token_id=-1, pad_token_id=tok.pad_token_id)
-    t0 = time.perf_counter()
-    out = model.generate_batch(inputs=reqs, generation_config=cfg, progress_bar=False)
-    wall = time.perf_counter() - t0
-    n = sum(len(o.generated_tokens) for o in out.values())
+    walls, n = [], 0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=reqs, generation_config=cfg, progress_bar=False)
+        walls.append(time.perf_counter() - t0)
+        n = sum(len(o.generated_tokens) for o in out.values())
     row = {"mode": "generate_batch (in process)", "clients": 16, "requests": len(reqs),
-           "wall_s": wall, "tokens_per_s": n / wall}
-    print(fmt(row), flush=True)
+           "wall_s": walls[1], "first_call_wall_s": walls[0], "tokens": n,
+           "tokens_per_s": n / walls[1]}
+    print(fmt(row) + f"  (first call {walls[0]:.2f} s)", flush=True)
     return row
 
 
@@ -278,6 +309,94 @@ def fmt(r):
     return s
 
 
+def get(rows, mode, n):
+    return next((r for r in rows if r["mode"] == mode and r.get("clients") == n), None)
+
+
+def table(rows, kv_blocks):
+    """The issue's table from this run's rows, as markdown lines."""
+    from ferrox_kv.serve.tiny import BENCH
+
+    out = ["| what | measured | target |", "| --- | --- | --- |"]
+    b, t, f = get(rows, "batch", 16), get(rows, BASELINE, 16), get(rows, "threads (ferrox)", 16)
+    if b and t:
+        out.append(f"| tokens/s at 16, batch vs threads with DynamicCache | "
+                   f"{b['tokens_per_s'] / t['tokens_per_s']:.2f}x ({b['tokens_per_s']:.0f} vs "
+                   f"{t['tokens_per_s']:.0f}) | >= 4x |")
+    if b and f:
+        out.append(f"| (also) tokens/s at 16, batch vs threads on ferrox caches | "
+                   f"{b['tokens_per_s'] / f['tokens_per_s']:.2f}x ({b['tokens_per_s']:.0f} vs "
+                   f"{f['tokens_per_s']:.0f}) | - |")
+    g = get(rows, "generate_batch (in process)", 16)
+    if b and g:
+        out.append(f"| tokens/s at 16 vs generate_batch | {b['tokens_per_s'] / g['tokens_per_s']:.2f}x "
+                   f"({b['tokens_per_s']:.0f} vs {g['tokens_per_s']:.0f}) | >= 1.5x |")
+    off = get(rows, "batch --no-prefix-cache", 16)
+    if b and off:
+        out.append(f"| p99 TTFT at 16, cached vs prefix cache off | "
+                   f"{b['p99_ttft_s'] / off['p99_ttft_s']:.2f}x | <= 0.5x |")
+    o = next((r for r in rows if r["mode"].startswith("pool for 8")), None)
+    if o:
+        out.append(f"| 64 on a pool for 8: 200 or 503+RA | {100 * o['share_ok']:.0f} % "
+                   f"({o['statuses']}) | 100 % |")
+    b1, b64 = get(rows, "batch", 1), get(rows, "batch", 64)
+    if b1 and b64:
+        pool_mib = kv_blocks * 16 * BENCH["kv_heads"] * BENCH["head_dim"] * 2 * 4 / 2 ** 20
+        out.append(f"| RSS at 64 vs at 1 (batch) | {b64['rss_kib'] / 1024:.0f} vs "
+                   f"{b1['rss_kib'] / 1024:.0f} MiB ({b64['rss_kib'] / b1['rss_kib']:.3f}x; the "
+                   f"pool is {pool_mib:.0f} MiB, its pages resident as blocks are first used) | "
+                   "<= 1.1x + the pool |")
+    s = next((r for r in rows if r["mode"].startswith("soak")), None)
+    if s:
+        out.append(f"| blocks lost after the soak ({s['ran']} requests in {s['wall_s']:.0f} s; "
+                   f"RSS start/middle/end {s['rss_kib_start'] / 1024:.0f}/"
+                   f"{(s['rss_kib_middle'] or 0) / 1024:.0f}/{s['rss_kib_end'] / 1024:.0f} MiB) "
+                   f"| {s['blocks_lost']} | 0 |")
+    return out
+
+
+def per_n(rows, modes):
+    """p50/p99 latency and time to first token per N and mode, markdown."""
+    out = ["| mode | N | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) |",
+           "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["mode"] in modes or r["mode"].endswith("--no-prefix-cache"):
+            out.append(f"| {r['mode']} | {r['clients']} | {r['tokens_per_s']:.1f} | "
+                       f"{r['p50_latency_s']:.3f} / {r['p99_latency_s']:.3f} | "
+                       f"{r['p50_ttft_s']:.3f} / {r['p99_ttft_s']:.3f} |")
+    return out
+
+
+def plot(rows, path, modes):
+    """Output tokens/s and p99 latency against N, one series per mode, to
+    ``path`` (matplotlib, the [plot] extra). Returns the series drawn:
+    ``{mode: (clients, tokens_per_s, p99_latency_s)}``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {}
+    for mode in modes:
+        pts = sorted((r["clients"], r["tokens_per_s"], r["p99_latency_s"]) for r in rows
+                     if r["mode"] == mode)
+        if not pts:
+            continue
+        series[mode] = tuple(list(x) for x in zip(*pts))
+        a1.plot(series[mode][0], series[mode][1], "o-", label=mode)
+        a2.plot(series[mode][0], series[mode][2], "o-", label=mode)
+    for a, y in ((a1, "output tokens/s"), (a2, "p99 latency (s)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent clients")
+        a.set_ylabel(y)
+        a.legend()
+    fig.suptitle("ferrox-kv serve on loopback (benchmarks/serve_load.py)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return series
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,9 +405,17 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--torch-threads", type=int, default=1)
-    ap.add_argument("--modes", nargs="+", default=["batch", "threads"])
+    ap.add_argument("--modes", nargs="+", choices=list(MODE_NAMES),
+                    default=list(MODE_NAMES), help="server modes for the rows at each N "
+                    "(threads-dynamic: the baseline, DynamicCache and SDPA)")
     ap.add_argument("--soak", type=int, default=0, help="requests in the soak (0: none)")
+    ap.add_argument("--soak-max-tokens", type=int, default=8)
+    ap.add_argument("--soak-seconds", type=float, default=1800,
+                    help="no soak request starts after this many seconds (1800)")
+    ap.add_argument("--soak-model-dir", default=None,
+                    help="default: the tiny model (ferrox_kv.serve.tiny), made in /tmp")
     ap.add_argument("--generate-batch", action="store_true")
+    ap.add_argument("--no-overload", action="store_true", help="skip the pool-for-8 row")
     ap.add_argument("--model-dir", default=None, help="default: the bench model, made in /tmp")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -299,71 +426,29 @@ def main(argv=None):
     if not os.path.exists(model_dir):
         make_model_dir(model_dir, **BENCH)
     system = SYSTEM * 2
+    modes = [MODE_NAMES[m] for m in args.modes]
     rows = []
-    for mode in args.modes:
-        r, h, rc, tail = run_mode(model_dir, mode, args.clients, args, system)
+    for label in modes:
+        r, h, rc, tail = run_mode(model_dir, label, args.clients, args, system)
         rows += r
-        print(f"  {mode}: used_blocks after {h['used_blocks']}, exit {rc} {tail}")
-    if 16 in args.clients:
+        print(f"  {label}: used_blocks after {h['used_blocks']}, exit {rc} {tail}")
+    if 16 in args.clients and "batch" in modes:
         r, h, rc, tail = run_mode(model_dir, "batch", [16], args, system,
                                   extra=("--no-prefix-cache",))
         rows += r
-    rows.append(overload(model_dir, args, system))
+    if not args.no_overload:
+        rows.append(overload(model_dir, args, system))
     if args.soak:
-        rows.append(soak(model_dir, args, system))
+        rows.append(soak(args))
     if args.generate_batch:
         rows.append(generate_batch(model_dir, args, system))
-
-    def get(mode, n):
-        return next((r for r in rows if r["mode"] == mode and r.get("clients") == n), None)
-
-    print("\n| what | measured | target |\n| --- | --- | --- |")
-    b, t = get("batch", 16), get("threads", 16)
-    if b and t:
-        print(f"| tokens/s at 16, batch vs threads | {b['tokens_per_s'] / t['tokens_per_s']:.2f}x "
-              "| >= 4x |")
-    g = get("generate_batch (in process)", 16)
-    if b and g:
-        print(f"| tokens/s at 16 vs generate_batch | {b['tokens_per_s'] / g['tokens_per_s']:.2f}x "
-              "| >= 1.5x |")
-    off = get("batch --no-prefix-cache", 16)
-    if b and off:
-        print(f"| p99 TTFT at 16, cached vs prefix cache off | "
-              f"{b['p99_ttft_s'] / off['p99_ttft_s']:.2f}x | <= 0.5x |")
-    o = rows[-1] if rows[-1]["mode"].startswith("pool for 8") else next(
-        r for r in rows if r["mode"].startswith("pool for 8"))
-    print(f"| 64 on a pool for 8: 200 or 503+RA | {100 * o['share_ok']:.0f} % | 100 % |")
-    b1, b64 = get("batch", 1), get("batch", 64)
-    if b1 and b64:
-        pool_mib = args.kv_blocks * 16 * BENCH["kv_heads"] * BENCH["head_dim"] * 2 * 4 / 2 ** 20
-        print(f"| RSS at 64 vs at 1 (batch) | {b64['rss_kib'] / 1024:.0f} vs "
-              f"{b1['rss_kib'] / 1024:.0f} MiB ({b64['rss_kib'] / b1['rss_kib']:.3f}x; the pool "
-              f"is {pool_mib:.0f} MiB, its pages resident as blocks are first used) | "
-              "<= 1.1x + the pool |")
-    s = next((r for r in rows if r["mode"] == "soak"), None)
-    if s:
-        print(f"| blocks lost after the soak ({s['requests']}) | {s['blocks_lost']} | 0 |")
+    print("\n" + "\n".join(per_n(rows, modes)))
+    print("\n" + "\n".join(table(rows, args.kv_blocks)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-        for mode in args.modes:
-            pts = [(r["clients"], r["tokens_per_s"], r["p99_latency_s"]) for r in rows
-                   if r["mode"] == mode]
-            a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode)
-            a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=mode)
-        for a, y in ((a1, "output tokens/s"), (a2, "p99 latency (s)")):
-            a.set_xscale("log", base=2)
-            a.set_xlabel("concurrent clients")
-            a.set_ylabel(y)
-            a.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot)
+        plot(rows, args.plot, modes)
     return 0
 
 

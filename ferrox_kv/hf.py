@@ -248,9 +248,15 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """Attention for ``attn_implementation="ferrox"``: reads a FerroxCache's
     rows in place with ``attend_many``; otherwise torch's SDPA with exactly
     the mask SDPA would get (see the module docstring). query (B, H, q_len, D)
-    -> (B, q_len, H, D)."""
+    -> (B, q_len, H, D). A layer with ``attend_packed(query, scale, window)``
+    (several sequences' positions packed in batch 1: ``ferrox_kv.serve``'s
+    step) attends for itself, by the same kernel, whatever the mask."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
+    packed = getattr(layer, "attend_packed", None)
+    if packed is not None:
+        return packed(query, scaling, sliding_window).to(device=query.device,
+                                                          dtype=query.dtype), None
     if layer is not None and layer._owner.config is None:
         layer._owner._adopt_config(getattr(module, "config", None))
     if isinstance(attention_mask, _Mask):

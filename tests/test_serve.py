@@ -431,14 +431,6 @@ def test_clients_that_leave_give_their_blocks_back(server):
     assert metric(server, "ferrox:request_cancelled_total", '{where="running"}') > before
 
 
-def _rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 SOAK_REQUESTS = int(os.environ.get("FERROX_KV_SOAK_REQUESTS", "120"))
 
 
@@ -467,12 +459,12 @@ def test_soak_random_lengths_and_disconnects_loses_no_block(server):
 
     asyncio.run(run(32))                          # warm up: allocator, caches, metrics
     assert_blocks_back(server)
-    rss0 = _rss_kib(server.proc.pid)
+    rss0 = server.rss_kib()
     results = asyncio.run(run(SOAK_REQUESTS))
     assert all(s in (200, 503, "dropped") for s, _, _ in results), \
         sorted({str(s) for s, _, _ in results})
     assert_blocks_back(server)
-    rss1 = _rss_kib(server.proc.pid)
+    rss1 = server.rss_kib()
     assert rss1 <= rss0 * 1.15 + 16 * 1024, (rss0, rss1)
 
 
@@ -520,6 +512,53 @@ def test_threads_mode_equals_generate_and_sigterm_drains(model_dir, workdir, ref
         rc = srv.stop()
     assert rc == 0, srv.log()
     assert "pool.check() passed, used_blocks=0" in srv.log()
+
+
+def test_threads_mode_with_dynamic_cache_equals_generate(model_dir, workdir, ref):
+    """--mode threads --threads-cache dynamic (the load test's baseline:
+    DynamicCache and SDPA, one thread per request): greedy completions equal
+    generate, batched and streaming; nothing comes from the prefix cache and
+    nothing is published; its reservations all come back."""
+    srv = S.Server(model_dir, workdir, *POOL_ARGS, "--mode", "threads",
+                   "--threads-cache", "dynamic")
+    try:
+        got = [None] * 6
+
+        def one(i):
+            body = {"prompt": PROMPTS[i], "max_tokens": 6 + 2 * i, "temperature": 0}
+            if i % 2:
+                got[i] = stream_text(srv, "/v1/completions", body)[:3:2]
+            else:
+                d = post(srv, "/v1/completions", body).json()
+                got[i] = d["choices"][0]["text"], d["usage"]
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(got))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for i, (text, usage) in enumerate(got):
+            assert text == ref(ref.tok(PROMPTS[i])["input_ids"], 6 + 2 * i)[0], PROMPTS[i]
+        again = post(srv, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,
+                                              "temperature": 0}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["choices"][0]["text"] == got[0][0]
+        h = assert_blocks_back(srv)
+        assert h["cached_blocks"] == 0              # nothing was published
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.log()
+    assert "pool.check() passed, used_blocks=0" in srv.log()
+
+
+def test_threads_cache_dynamic_needs_threads_mode(model_dir, workdir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ferrox_kv.serve", model_dir,
+                          "--threads-cache", "dynamic"], cwd=workdir, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "pass --mode threads" in out.stderr, out.stderr
 
 
 # -- schemathesis against the app's own OpenAPI document ------------------------------

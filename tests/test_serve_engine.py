@@ -105,6 +105,7 @@ def test_the_serve_subcommand_and_a_missing_model_dir(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for opt in ("--kv-gib", "--kv-blocks", "--block-size", "--dtype", "--kv-dtype", "--mode",
+                "--threads-cache",
                 "--max-batch",
                 "--max-queue", "--queue-timeout", "--host", "--port"):
         assert opt in out.stdout
@@ -181,3 +182,74 @@ def test_an_int8_pool_serves_a_request_to_its_end(parts):
     assert got.count("token") >= 1 and got[-1] == "done", got
     assert pool.used_blocks == pool.cached_blocks     # the finished request's blocks: cached
     pool.check()
+
+
+def test_threads_cache_is_ferrox_or_dynamic_and_dynamic_needs_threads_mode(parts):
+    with pytest.raises(ValueError, match="pass mode='threads'"):
+        _engine(parts, threads_cache="dynamic")
+    with pytest.raises(ValueError, match="'ferrox' or 'dynamic'"):
+        _engine(parts, mode="threads", threads_cache="static")
+    assert _engine(parts, mode="threads", threads_cache="dynamic").threads_cache == "dynamic"
+
+
+def test_prompts_admitted_together_prefill_in_one_forward_with_decode_and_equal_generate(parts):
+    """One step packs a decoding sequence's next token and the prompt chunks
+    of three requests admitted together (the third split by the step's
+    prefill budget, finished in the next step) into one forward; every
+    greedy completion equals generate with DynamicCache and SDPA."""
+    from transformers import DynamicCache
+
+    from ferrox_kv.serve.engine import Request, Sampling
+
+    model, tok = parts
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        model.name_or_path, attn_implementation="sdpa").eval()
+
+    def want(ids, n):
+        with torch.inference_mode():
+            out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                               dtype=torch.long), max_new_tokens=n, do_sample=False,
+                               cache=DynamicCache(config=ref.config))
+        new = out[0, len(ids):].tolist()
+        return new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+
+    budget = 48
+    e = _engine(parts, blocks=64, prefill_chunk=budget)
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    texts = [S.TEXT[:40], S.TEXT[100:120], S.TEXT[200:240], S.TEXT[300:400]]
+    reqs = [Request(tok(t)["input_ids"], n, Sampling(0)) for t, n in zip(texts, (12, 5, 9, 7))]
+    lens = [len(r.prompt_ids) for r in reqs]
+    assert lens[1] + lens[2] < budget < lens[1] + lens[2] + lens[3]
+    rest = lens[3] - (budget - lens[1] - lens[2])
+    assert rest <= budget
+    try:
+        with torch.inference_mode():
+            e.submit(reqs[0])
+            e._admit()
+            while not reqs[0].output_ids:
+                e._step(list(e._running))
+            for r in reqs[1:]:
+                e.submit(r)
+            e._admit()
+            assert len(e._running) == 4
+            seen.clear()
+            e._step(list(e._running))
+            assert seen == [(1, 1 + budget)]      # one forward: a decode + the budget's prompts
+            assert [len(r.output_ids) for r in reqs[1:]] == [1, 1, 0]
+            assert reqs[3].caches[0].seq_len == lens[3] - rest
+            e._step(list(e._running))
+            assert seen[1] == (1, 3 + rest)       # three decode, the rest of the split prompt
+            assert len(reqs[3].output_ids) == 1
+            while e._running:
+                e._step(list(e._running))
+    finally:
+        hook.remove()
+        with e._cv:
+            for r in list(e._running):
+                e._retire(r, publish=False)
+    for r in reqs:
+        assert r.output_ids == want(r.prompt_ids, r.max_tokens), r.prompt_ids
+    assert e.pool.free_blocks == e.pool.total_blocks and e.pool.cached_blocks > 0   # published
+    e.pool.check()

@@ -35,6 +35,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=("batch", "threads"), default="batch",
                     help="batch: continuous batching, one forward per step over every running "
                          "sequence; threads: one thread per request, batch 1 (the baseline)")
+    ap.add_argument("--threads-cache", choices=("ferrox", "dynamic"), default="ferrox",
+                    help="threads mode's K/V: ferrox (its reservation in the pool, the prefix "
+                         "cache on) or dynamic (transformers' DynamicCache and SDPA, as generate "
+                         "runs; the reservation is the admission ticket only)")
     ap.add_argument("--max-batch", type=int, default=16,
                     help="most sequences running at once (16)")
     ap.add_argument("--max-queue", type=int, default=64,
@@ -42,7 +46,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--queue-timeout", type=float, default=30.0,
                     help="seconds a request may wait for blocks before a 503 (30)")
     ap.add_argument("--prefill-chunk", type=int, default=256,
-                    help="prompt positions prefilled per step and request (256)")
+                    help="prompt positions prefilled per step: all admitted requests together "
+                         "in batch mode, each request's own in threads mode (256)")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="turn the pool's prefix cache off")
     ap.add_argument("--default-max-tokens", type=int, default=256,
@@ -116,11 +121,16 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             print(f"ferrox-kv serve: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.threads_cache != "ferrox" and args.mode != "threads":
+        print(f"ferrox-kv serve: --threads-cache {args.threads_cache} is the threads mode's "
+              "baseline; pass --mode threads with it", file=sys.stderr)
+        return 2
     model, tokenizer, pool = load(args)
     metrics = Metrics(pool)
     engine = Engine(model, tokenizer, pool, mode=args.mode, max_batch=args.max_batch,
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-                    prefill_chunk=args.prefill_chunk, metrics=metrics)
+                    prefill_chunk=args.prefill_chunk, threads_cache=args.threads_cache,
+                    metrics=metrics)
     metrics.engine = engine
     name = os.path.basename(os.path.normpath(args.model_dir))
     asgi, _ = make_app(engine, metrics, model_name=name,
@@ -145,7 +155,8 @@ def run(args) -> int:
                             timeout_graceful_shutdown=5, lifespan="off")
     server = Server(config)
     engine.start()
-    print(f"ferrox-kv serve: {name} on http://{args.host}:{args.port} ({args.mode} mode, "
+    mode = args.mode + (f", {args.threads_cache} cache" if args.mode == "threads" else "")
+    print(f"ferrox-kv serve: {name} on http://{args.host}:{args.port} ({mode} mode, "
           f"{pool.total_blocks} blocks of {pool.block_size} positions, prefix cache "
           f"{'on' if pool.prefix_cache else 'off'})", file=sys.stderr, flush=True)
     try:

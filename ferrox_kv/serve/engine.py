@@ -14,20 +14,28 @@ Continuous batching (``mode="batch"``). Each step of the loop:
 
 1. admits from the head of the queue while the pool can reserve and fewer than
    ``max_batch`` sequences run;
-2. prefills admitted requests, in chunks of at most ``prefill_chunk``
-   positions (a long prompt takes several steps, so running sequences keep
-   decoding between its chunks); a request starts from the longest prefix of
-   its prompt published under its tenant's salt;
-3. decodes every running sequence in one model forward: input ids ``(B, 1)``,
-   position ids per sequence, each sequence's own caches at their own lengths
-   (``attend_many`` through the "ferrox" attention);
-4. samples, streams each new token to its request, and retires the finished
+2. runs one model forward over the running sequences, packed in batch 1:
+   the next token of every decoding sequence, then the next prompt chunk of
+   admitted requests in FIFO order, at most ``prefill_chunk`` prompt
+   positions in all (a long prompt takes several steps, so running sequences
+   keep decoding between its chunks). Position ids are per sequence; each
+   sequence's rows go to its own caches and its queries attend them at their
+   own length (``attend_many``: one call for the decoding sequences, one per
+   prompt chunk). A request starts from the longest prefix of its prompt
+   published under its tenant's salt;
+3. samples, streams each new token to its request, and retires the finished
    and the cancelled, whose blocks go back (after publishing what a finished
    request computed, for the next request with the same prefix and tenant).
 
 ``mode="threads"`` is the fallback and the baseline: the same admission, but
 each admitted request runs its own prefill and decode (batch 1) in a thread of
-its own.
+its own. ``threads_cache="ferrox"`` keeps its K/V in its reservation (and the
+prefix cache serves it); ``threads_cache="dynamic"`` is transformers' own
+path, the issue's baseline: the K/V in a ``DynamicCache`` and attention by
+SDPA (what the "ferrox" attention runs for any other cache), one forward per
+token as ``generate`` does; its reservation is held as the admission ticket
+only, so admission, the queue and the 503s are the same, and the prefix
+cache is neither read nor published.
 
 The server never calls ``fork()``: one process, these threads, uvicorn's event
 loop.
@@ -41,11 +49,11 @@ import time
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv._core import _extend_each
-from ferrox_kv.hf import ATTENTION, kv_geometry
+from ferrox_kv.hf import ATTENTION, _rows, kv_geometry
 
 __all__ = ["Engine", "NeverFits", "Overloaded", "Request", "Sampling"]
 
@@ -151,34 +159,67 @@ class Request:
 # ---------------------------------------------------------------------------
 
 class _StepLayer(CacheLayerMixin):
-    """Layer ``layer_idx`` of the sequences in this step: their ``KvCache``
-    of that layer, each at its own length."""
+    """Layer ``layer_idx`` of the sequences in this step, packed in batch 1:
+    positions ``[offsets[b], offsets[b + 1])`` of the forward are sequence
+    b's next ``counts[b]`` positions, in its ``KvCache`` of that layer
+    (``seqs[b]``); the first ``n_single`` sequences have one position each."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, layer_idx, seqs):
+    def __init__(self, layer_idx, seqs, counts):
         super().__init__()
         self.layer_idx = layer_idx
         self.seqs = seqs
+        self.counts = counts
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        self.n_single = next((i for i, n in enumerate(counts) if n != 1), len(counts))
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):
         pass
 
     def update(self, key_states, value_states, *args, kwargs=None, **extra):
-        """Store the step's rows (every sequence or none) and hand the layer
-        to the "ferrox" attention, which reads each cache in place."""
-        kn = key_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-        vn = value_states.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-        _extend_each(self.seqs, kn, vn)
+        """Store the step's rows, each sequence's in its own cache, and hand
+        the layer to the "ferrox" attention, which calls ``attend_packed``.
+        A failure part way is undone by the engine (``_roll_back``: every
+        layer of every sequence back to its length before the forward)."""
         if kwargs is None:
             raise RuntimeError("the model did not pass its attention kwargs to the cache; "
                                "ferrox_kv.serve needs a transformers 5 model")
+        kn, vn = _rows(key_states)[0], _rows(value_states)[0]      # (positions, heads, dim)
+        self._by_sequence(lambda seqs, a, b: _extend_each(seqs, kn[a:b].reshape(
+            len(seqs), (b - a) // len(seqs), *kn.shape[1:]), vn[a:b].reshape(
+            len(seqs), (b - a) // len(seqs), *vn.shape[1:])))
         kwargs["ferrox_layer"] = self
         empty = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0,
                                       key_states.shape[3]))
         return empty, empty
+
+    def _by_sequence(self, fn):
+        """``fn(seqs, start, end)`` for the single-position sequences at once,
+        then for each other sequence: the packed positions ``[start, end)``."""
+        k = self.n_single
+        if k:
+            fn(self.seqs[:k], 0, k)
+        for b in range(k, len(self.seqs)):
+            fn(self.seqs[b:b + 1], self.offsets[b], self.offsets[b + 1])
+
+    def attend_packed(self, query, scale, window):
+        """The "ferrox" attention of a packed layer: query ``(1, heads,
+        positions, dim)`` -> ``(1, positions, heads, dim)`` float32, each
+        sequence's queries against its own cache (its last positions)."""
+        q = query.detach()[0].to("cpu", torch.float32).transpose(0, 1).contiguous().numpy()
+        out = np.empty(q.shape[:2] + (self.seqs[0].v_head_dim,), dtype=np.float32)
+
+        def one(seqs, a, b):
+            n = len(seqs)
+            shape = (n, (b - a) // n)
+            attend_many(seqs, q[a:b].reshape(shape + q.shape[1:]), scale=scale, window=window,
+                        out=out[a:b].reshape(shape + out.shape[1:]))
+
+        self._by_sequence(one)
+        return torch.from_numpy(out)[None]
 
     def get_seq_length(self):
         return self.seqs[0].seq_len if self.seqs else 0
@@ -201,11 +242,12 @@ class _StepLayer(CacheLayerMixin):
 
 class StepCache(Cache):
     """The caches of the sequences that run in one forward, layer by layer:
-    ``requests[b].caches[layer]``. Lengths may differ; positions come from
-    the caller's ``position_ids``."""
+    ``requests[b].caches[layer]``, sequence b with ``counts[b]`` new
+    positions (packed in batch 1, in this order). Lengths may differ;
+    positions come from the caller's ``position_ids``."""
 
-    def __init__(self, requests, config):
-        super().__init__(layers=[_StepLayer(i, [r.caches[i] for r in requests])
+    def __init__(self, requests, config, counts):
+        super().__init__(layers=[_StepLayer(i, [r.caches[i] for r in requests], counts)
                                  for i in range(len(requests[0].caches))])
         self.config = config              # what the "ferrox" attention reads of its layer's owner
         for layer in self.layers:
@@ -229,7 +271,9 @@ class Engine:
     """The model, its tokenizer, one ``KvBlockPool`` and the step loop.
 
     ``Engine(model, tokenizer, pool, *, mode="batch", max_batch=16,
-    max_queue=64, queue_timeout=30.0, prefill_chunk=256)``. ``start()``
+    max_queue=64, queue_timeout=30.0, prefill_chunk=256,
+    threads_cache="ferrox")`` (``threads_cache``: ``"ferrox"`` or
+    ``"dynamic"``, threads mode only). ``start()``
     launches the scheduler thread; ``submit(request)`` queues a request (or
     raises ``Overloaded`` / ``NeverFits``); ``drain(deadline)`` stops
     admitting and waits for the running requests; ``close()`` cancels what is
@@ -237,9 +281,15 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, pool: KvBlockPool, *, mode="batch", max_batch=16,
-                 max_queue=64, queue_timeout=30.0, prefill_chunk=256, metrics=None):
+                 max_queue=64, queue_timeout=30.0, prefill_chunk=256, threads_cache="ferrox",
+                 metrics=None):
         if mode not in ("batch", "threads"):
             raise ValueError(f"mode must be 'batch' or 'threads', got {mode!r}")
+        if threads_cache not in ("ferrox", "dynamic"):
+            raise ValueError(f"threads_cache must be 'ferrox' or 'dynamic', got {threads_cache!r}")
+        if threads_cache == "dynamic" and mode != "threads":
+            raise ValueError("threads_cache='dynamic' is the threads mode's baseline; "
+                             "pass mode='threads' with it")
         if getattr(model.config, "_attn_implementation", None) != ATTENTION:
             raise ValueError(f"the model must run attn_implementation={ATTENTION!r}")
         self.n_layers, n_kv, head_dim = kv_geometry(model.config)
@@ -255,6 +305,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.pool = pool
         self.mode = mode
+        self.threads_cache = threads_cache
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
         self.queue_timeout = float(queue_timeout)
@@ -450,12 +501,12 @@ class Engine:
             if len(self._running) >= self.max_batch:
                 return
             r = self._queue[0]
-            salt = r.tenant if r.tenant is not None else None
+            reuse = self.pool.prefix_cache and self.threads_cache == "ferrox"
             try:
                 r.caches = KvCache.with_pool_many(
                     self.n_layers, self.n_kv, self.head_dim, self.pool, r.reserve,
-                    tokens=np.asarray(r.prompt_ids, dtype=np.int64) if self.pool.prefix_cache else None,
-                    salt=salt)
+                    tokens=np.asarray(r.prompt_ids, dtype=np.int64) if reuse else None,
+                    salt=r.tenant)
             except KvPoolExhausted:
                 return                          # the head waits; nobody overtakes it
             self._queue.popleft()
@@ -471,25 +522,34 @@ class Engine:
                 t.start()
 
     def _step(self, batch):
-        """One iteration: a prefill chunk for each admitted request that
-        needs one, then one decode forward over every decoding sequence."""
-        decoding = []
+        """One iteration, one forward: the next token of every decoding
+        sequence, then prompt chunks of the admitted requests in FIFO order,
+        ``prefill_chunk`` prompt positions in all."""
+        decoding, prefilling, chunks = [], [], []
+        budget = self.prefill_chunk
         for r in batch:
             if r.cancelled:
                 continue
-            if r.caches[0].seq_len < len(r.prompt_ids):
-                self._prefill_chunk(r)
+            have = r.caches[0].seq_len
+            if have < len(r.prompt_ids):
+                if budget > 0:
+                    chunks.append(r.prompt_ids[have:have + budget])
+                    budget -= len(chunks[-1])
+                    prefilling.append(r)
             elif r.output_ids:
                 decoding.append(r)
-        if decoding:
+        seqs = decoding + prefilling
+        if seqs:
             t0 = time.perf_counter()
-            logits = self._forward(decoding, [[r.output_ids[-1]] for r in decoding])
+            logits = self._forward(seqs, [[r.output_ids[-1]] for r in decoding] + chunks)
             dt = time.perf_counter() - t0
-            self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
-            if self.metrics is not None:
-                self.metrics.decode_batch(len(decoding))
-            for r, row in zip(decoding, logits):
-                self._accept(r, r.sampling.pick(row))
+            if decoding:
+                self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
+                if self.metrics is not None:
+                    self.metrics.decode_batch(len(decoding))
+            for r, row in zip(seqs, logits):
+                if r.caches[0].seq_len >= len(r.prompt_ids):    # decoding, or its prompt is in
+                    self._accept(r, r.sampling.pick(row))
         with self._cv:
             for r in batch:
                 if r.cancelled or r.finish_reason is not None:
@@ -498,28 +558,25 @@ class Engine:
                         r.emit("done", "cancelled")
                         self._count("cancelled_running")
 
-    def _prefill_chunk(self, r):
-        have = r.caches[0].seq_len
-        chunk = r.prompt_ids[have:have + self.prefill_chunk]
-        logits = self._forward([r], [chunk])
-        if have + len(chunk) == len(r.prompt_ids):
-            self._accept(r, r.sampling.pick(logits[0]))
-
     def _forward(self, requests, tokens):
-        """One model forward; ``tokens[b]`` are sequence b's next positions
-        (equal counts). Returns the last position's logits, (B, vocab)."""
+        """One model forward over ``requests`` packed in batch 1:
+        ``tokens[b]`` are sequence b's next positions (any count; those with
+        one position first). Returns each sequence's last position's logits,
+        (B, vocab)."""
         lengths = [r.caches[0].seq_len for r in requests]
-        n = len(tokens[0])
-        ids = torch.tensor(tokens, dtype=torch.long)
-        pos = torch.tensor([[L + i for i in range(n)] for L in lengths], dtype=torch.long)
+        counts = [len(t) for t in tokens]
+        ids = torch.tensor([[t for ts in tokens for t in ts]], dtype=torch.long)
+        pos = torch.tensor([[L + i for L, n in zip(lengths, counts) for i in range(n)]],
+                           dtype=torch.long)
+        last = torch.tensor(np.cumsum(counts) - 1, dtype=torch.long)
         try:
             out = self.model(input_ids=ids, position_ids=pos,
-                             cache=StepCache(requests, self.model.config),
-                             use_cache=True, logits_to_keep=1)
+                             cache=StepCache(requests, self.model.config, counts),
+                             use_cache=True, logits_to_keep=last)
         except BaseException:
             _roll_back(requests, lengths)
             raise
-        return out.logits[:, -1, :]
+        return out.logits[0]
 
     def _accept(self, r, token):
         """A new token for ``r``: stream its text, decide whether it ends."""
@@ -575,7 +632,7 @@ class Engine:
         if r in self._running:
             self._running.remove(r)
         if r.caches is not None:
-            if publish and self.pool.prefix_cache:
+            if publish and self.pool.prefix_cache and self.threads_cache == "ferrox":
                 have = r.caches[0].seq_len
                 ids = (r.prompt_ids + r.output_ids)[:have]
                 try:
@@ -600,18 +657,40 @@ class Engine:
     # -- threads mode ----------------------------------------------------------
 
     def _thread_main(self, r):
-        """``mode="threads"``: one request, batch 1, in its own thread."""
+        """``mode="threads"``: one request, batch 1, in its own thread; its
+        K/V in its reservation (``threads_cache="ferrox"``) or in a
+        ``DynamicCache`` (``"dynamic"``)."""
+        if self.threads_cache == "dynamic":
+            cache = DynamicCache(config=self.model.config)
+
+            def forward(tokens):
+                out = self.model(input_ids=torch.tensor([tokens], dtype=torch.long),
+                                 cache=cache, use_cache=True, logits_to_keep=1)
+                return out.logits[0, -1, :]
+
+            def length():
+                return cache.get_seq_length()
+        else:
+            def forward(tokens):
+                return self._forward([r], [tokens])[0]
+
+            def length():
+                return r.caches[0].seq_len
         try:
             with torch.inference_mode():
                 while not r.cancelled and r.finish_reason is None and not self._stopping:
-                    if r.caches[0].seq_len < len(r.prompt_ids):
-                        self._prefill_chunk(r)
+                    have = length()
+                    if have < len(r.prompt_ids):
+                        chunk = r.prompt_ids[have:have + self.prefill_chunk]
+                        logits = forward(chunk)
+                        if have + len(chunk) == len(r.prompt_ids):
+                            self._accept(r, r.sampling.pick(logits))
                     else:
                         t0 = time.perf_counter()
-                        logits = self._forward([r], [[r.output_ids[-1]]])
+                        logits = forward([r.output_ids[-1]])
                         dt = time.perf_counter() - t0
                         self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
-                        self._accept(r, r.sampling.pick(logits[0]))
+                        self._accept(r, r.sampling.pick(logits))
         except Exception as e:
             with self._cv:
                 self._fail(r, e)

@@ -1,0 +1,93 @@
+"""benchmarks/serve_load.py: the plot (throughput and p99 latency against
+N, one series per server mode) and, on the tiny model with a few requests,
+a whole run of the script: every row, the tables, the JSON and the plot."""
+import importlib.util
+import json
+import os
+import pathlib
+
+import pytest
+
+if os.environ.get("CI") or os.environ.get("FERROX_KV_REQUIRE_INSTALLED"):
+    import matplotlib  # noqa: F401  (in CI a missing [plot] or serve dependency fails)
+    import httpx  # noqa: F401
+pytest.importorskip("matplotlib")
+pytest.importorskip("httpx")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def serve_load():
+    spec = importlib.util.spec_from_file_location("serve_load",
+                                                  REPO / "benchmarks" / "serve_load.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _colour_share(img, hex_colour):
+    import numpy as np
+
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return float((np.abs(img[..., :3] - rgb).max(-1) < 0.05).mean())
+
+
+def test_the_plot_has_throughput_and_p99_against_n_for_both_modes(serve_load, tmp_path):
+    import matplotlib.image
+
+    rows = []
+    for mode, tps in (("batch", 100.0), (serve_load.BASELINE, 25.0)):
+        for n in (16, 1, 64, 4):
+            rows.append({"mode": mode, "clients": n, "tokens_per_s": tps * n ** 0.5,
+                         "p99_latency_s": 0.1 * n})
+    rows.append({"mode": "pool for 8 (96 blocks)", "requests": 64, "share_ok": 1.0})
+    path = tmp_path / "serve.png"
+    series = serve_load.plot(rows, str(path), ["batch", serve_load.BASELINE])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(series) == ["batch", serve_load.BASELINE]
+    for mode, tps in (("batch", 100.0), (serve_load.BASELINE, 25.0)):
+        ns, tput, p99 = series[mode]
+        assert ns == [1, 4, 16, 64]
+        assert tput == [tps * n ** 0.5 for n in ns] and p99 == [0.1 * n for n in ns]
+    img = matplotlib.image.imread(str(path))
+    for colour in ("#1f77b4", "#ff7f0e"):           # matplotlib's first two series colours
+        assert _colour_share(img, colour) > 1e-4, colour
+
+
+def test_a_short_run_of_the_whole_load_test(tmp_path):
+    """Every row of the script on the tiny model, a few requests each:
+    both baselines, prefix cache off, the pool for 8, the soak, and
+    generate_batch; the tables, the JSON and the plot."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from ferrox_kv.serve.tiny import make_model_dir
+
+    model = make_model_dir(tmp_path / "tiny")
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "serve_load.py"), "--model-dir", model,
+         "--soak-model-dir", model, "--clients", "1", "16", "--requests", "1",
+         "--max-tokens", "3", "--soak", "40", "--generate-batch",
+         "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "serve.png")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    modes = {(r["mode"], r.get("clients")) for r in rows}
+    for mode in ("batch", "threads (DynamicCache)", "threads (ferrox)"):
+        assert {(mode, 1), (mode, 16)} <= modes, modes
+    assert ("batch --no-prefix-cache", 16) in modes
+    assert ("generate_batch (in process)", 16) in modes
+    for r in rows:
+        if "statuses" in r and not r["mode"].startswith(("pool for 8", "soak")):
+            assert r["statuses"] == {"200": r["requests"]}, r
+    pool8 = next(r for r in rows if r["mode"].startswith("pool for 8"))
+    assert pool8["share_ok"] == 1.0 and pool8["used_blocks_after"] == 0 and pool8["exit"] == 0
+    soak = next(r for r in rows if r["mode"].startswith("soak"))
+    assert soak["ran"] == 40 and soak["blocks_lost"] == 0 and soak["exit"] == 0
+    assert soak["rss_kib_end"] <= 1.15 * soak["rss_kib_start"] + 16 * 1024, soak
+    for what in ("batch vs threads with DynamicCache", "vs generate_batch",
+                 "cached vs prefix cache off", "pool for 8", "blocks lost after the soak"):
+        assert what in out.stdout, what
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
