@@ -693,6 +693,27 @@ def test_the_two_servers_example_shares_the_system_prompt(server):
     assert second.startswith("second server: reused 96 positions, prefilled 3; store hits 1")
 
 
+def test_the_threaded_example_run_twice_shares_its_system_prompt_through_redis(server):
+    pytest.importorskip("transformers")
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "examples", "threaded_generate.py"),
+           "--threads", "2", "--new-tokens", "2", "--redis", server.url]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    first, second = (subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+                     for _ in range(2))
+    reused = []
+    for p in (first, second):
+        assert p.returncode == 0, p.stderr
+        assert "every block is back in the pool" in p.stdout
+        reused.append(re.findall(r"first request: time to first token [0-9.]+ ms, "
+                                 r"(\d+) prompt positions reused", p.stdout)[-1])
+    assert reused == ["0", "96"]                 # the second read the system prompt from Redis
+    hits = re.search(r"store: (\d+) remote hits, \d+ positions fetched, \d+ written, "
+                     r"(\d+) errors", second.stdout)
+    assert hits and int(hits.group(1)) >= 1 and hits.group(2) == "0"
+
+
 def test_eight_threads_read_and_write_through_one_pool_and_one_store(server):
     from conftest import STORE_DIM, STORE_HEADS, rows
     writer = _attached(server, total=256)
