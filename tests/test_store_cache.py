@@ -5,10 +5,9 @@ import os
 import numpy as np
 import pytest
 
-if os.environ.get("CI") == "true":
-    import xxhash  # noqa: F401
-else:
-    pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+from conftest import require_store
+
+require_store()
 
 import ferrox_kv
 from conftest import STORE_DIM, STORE_HEADS, pool_counts, rows, store_pool
