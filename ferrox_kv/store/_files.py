@@ -43,10 +43,12 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], T]) 
 
 
 def save_file(path: str | os.PathLike[str], geometry: Geometry, fingerprint: Any,
-              entries: Sequence[Entry]) -> int:
+              entries: Sequence[Entry], *, flags: int = 0) -> int:
     """Write a prefix file atomically (see ``atomic_write``); returns its bytes.
-    Entries are validated before anything is written."""
-    return atomic_write(path, lambda f: write_file(f, geometry, fingerprint, entries))
+    Entries are validated before anything is written; ``flags`` as for
+    ``write_file``."""
+    return atomic_write(path, lambda f: write_file(f, geometry, fingerprint, entries,
+                                                   flags=flags))
 
 
 def load_file(path: str | os.PathLike[str], *, geometry: Geometry | None = None,

@@ -48,6 +48,10 @@ ANY: Any = object()                  # decode_value: any salt
 
 SALT_NONE, SALT_STR, SALT_BYTES, SALT_INT = 0, 1, 2, 3
 
+# entry flags: the writer had no token ids and stored zeros (a parked
+# conversation saved without tokens=); valid only where the reader allows it
+FLAG_NO_TOKENS = 1
+
 # dtype name -> bytes per value (int8 rows add float16 scales: row_bytes)
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
@@ -283,7 +287,7 @@ def _encode_header(geometry: Geometry, fingerprint: bytes, kind: int,
     return head + xxhash.xxh3_128_digest(head)
 
 
-def _entry_parts(geometry: Geometry, e: Entry) -> list[Any]:
+def _entry_parts(geometry: Geometry, e: Entry, flags: int = 0) -> list[Any]:
     """The pieces of one entry record, its checksum last; the bulk pieces are
     memoryviews of the entry's arrays."""
     bs = geometry.block_size
@@ -302,7 +306,7 @@ def _entry_parts(geometry: Geometry, e: Entry) -> list[Any]:
     if type(e.depth) is not int or not 0 <= e.depth < 2**32:
         raise ValueError(f"entry depth must be an int in 0..2**32-1, got {e.depth!r}")
     size = ENTRY.size + len(sdata) + _pad8(len(sdata)) + 4 * bs + geometry.payload_bytes + DIGEST
-    head = ENTRY.pack(ENTRY_MAGIC, 0, size, e.depth, bs, tag, len(sdata), bytes(e.key),
+    head = ENTRY.pack(ENTRY_MAGIC, flags, size, e.depth, bs, tag, len(sdata), bytes(e.key),
                       bytes(e.parent)) + sdata + bytes(_pad8(len(sdata)))
     parts: list[Any] = [head, np.ascontiguousarray(tokens).data.cast("B"),
                         np.ascontiguousarray(k).data.cast("B"),
@@ -323,15 +327,18 @@ def encode_value(geometry: Geometry, fingerprint: Any, entry: Entry) -> bytes:
 
 
 def write_file(f: IO[bytes], geometry: Geometry, fingerprint: Any,
-               entries: Sequence[Entry]) -> int:
+               entries: Sequence[Entry], *, flags: int = 0) -> int:
     """Write a prefix file of ``entries`` (parents before their children) to the
     binary file ``f``; returns the bytes written. Use ``atomic_write`` for a path.
-    Every entry is validated before the first byte is written."""
+    Every entry is validated before the first byte is written. ``flags``:
+    every record's (``FLAG_NO_TOKENS`` or 0)."""
+    if flags not in (0, FLAG_NO_TOKENS):
+        raise ValueError(f"flags must be 0 or FLAG_NO_TOKENS, got {flags!r}")
     geometry = geometry.check()
     fp = fingerprint_bytes(fingerprint)
     entries = list(entries)
     _check_links(geometry, entries)
-    records = [_entry_parts(geometry, e) for e in entries]
+    records = [_entry_parts(geometry, e, flags) for e in entries]
     head = _encode_header(geometry, fp, KIND_FILE, len(entries))
     total = f.write(head)
     whole = xxhash.xxh3_128(head[-DIGEST:])
@@ -453,10 +460,12 @@ def _header(buf: memoryview, kind: int, geometry: Geometry | None,
     return got, fp, n_entries, size
 
 
-def _entry(buf: memoryview, at: int, g: Geometry, origin: int = 0) -> tuple[Entry, bytes, int]:
+def _entry(buf: memoryview, at: int, g: Geometry, origin: int = 0,
+           allowed_flags: int = 0) -> tuple[Entry, bytes, int]:
     """Parse and verify the entry record at ``at``; returns (entry, its
     checksum, the offset after it). The arrays are views of ``buf``.
-    Messages name byte ``origin + at`` (``buf`` may hold one record of a file)."""
+    Messages name byte ``origin + at`` (``buf`` may hold one record of a file);
+    flags outside ``allowed_flags`` are refused."""
     pos = origin + at
     if len(buf) - at < ENTRY.size:
         raise StoreCorrupt("truncated", f"ends inside an entry header at byte {pos}")
@@ -477,7 +486,7 @@ def _entry(buf: memoryview, at: int, g: Geometry, origin: int = 0) -> tuple[Entr
     if xxhash.xxh3_128_digest(buf[at:end - DIGEST]) != checksum:
         raise StoreCorrupt("entry checksum", f"the entry at byte {pos} does not match its "
                                              "checksum")
-    if flags != 0:
+    if flags & ~allowed_flags:
         raise StoreCorrupt("flags", f"entry at byte {pos} has unknown flags {flags:#x}")
     if n_tokens != g.block_size:
         raise StoreCorrupt("n_tokens", f"entry at byte {pos} holds {n_tokens} tokens, "
@@ -664,12 +673,13 @@ class Decoded(NamedTuple):
 
 
 def decode_file(data: Any, *, geometry: Geometry | None = None,
-                fingerprint: Any = None) -> Decoded:
+                fingerprint: Any = None, allowed_flags: int = 0) -> Decoded:
     """Every entry of a prefix file held in ``data`` (bytes-like), verified before
     any is returned: header, each entry (checksum, chained key, parent earlier in
     the file with the same salt and depth one less), the trailer's count and
     whole-file checksum, nothing after it. With ``geometry``/``fingerprint`` a
-    file written for another one raises StoreMismatch."""
+    file written for another one raises StoreMismatch. Entry flags outside
+    ``allowed_flags`` are refused (``flags``)."""
     buf = _view(data)
     fp = None if fingerprint is None else fingerprint_bytes(fingerprint)
     g, got_fp, n, at = _header(buf, KIND_FILE, geometry, fp)
@@ -680,7 +690,7 @@ def decode_file(data: Any, *, geometry: Geometry | None = None,
     entries: list[Entry] = []
     seen: dict[bytes, tuple[int, Any]] = {}
     for _ in range(n):
-        e, checksum, nxt = _entry(buf, at, g)
+        e, checksum, nxt = _entry(buf, at, g, allowed_flags=allowed_flags)
         if e.key in seen:
             raise StoreCorrupt("key", f"the entry at byte {at} appears twice")
         if e.depth and seen.get(e.parent) != (e.depth - 1, e.salt):
