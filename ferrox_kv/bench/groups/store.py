@@ -171,17 +171,18 @@ def bench_hf(res, quick, reps, url):
     import redis
     import torch
 
-    from ferrox_kv.bench import llama
+    from ferrox_kv.bench.llama import make_model
     from ferrox_kv.hf import FerroxCache, kv_geometry
     from ferrox_kv.store import Geometry, RedisPrefixStore, chain_keys
 
     n_tok = 512 if quick else 2048
-    cfg, model = llama.make_model(n_tok + 1)
+    cfg, model = make_model(n_tok + 1)
     layers, n_kv, hd = kv_geometry(cfg)
     ids = torch.randint(1, cfg.vocab_size, (1, n_tok + 1),
                         generator=torch.Generator().manual_seed(7))
     total = layers * (-(-(n_tok + 1) // BLOCK_SIZE) + 1)
-    store = RedisPrefixStore(url, namespace="bench-hf", fingerprint=llama.__name__, timeout=5)
+    store = RedisPrefixStore(url, namespace="bench-hf", fingerprint="bench-llama",
+                             timeout=5)
 
     def fresh(attached):
         def setup():
@@ -247,7 +248,8 @@ def bench_hf(res, quick, reps, url):
 def _example():
     """examples/threaded_generate.py of a source checkout (the package's
     parent, or the working directory), or None."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__import__("ferrox_kv").__file__)))
+    import ferrox_kv
+    here = os.path.dirname(os.path.dirname(os.path.abspath(ferrox_kv.__file__)))
     for root in (here, os.getcwd()):
         path = os.path.join(root, "examples", "threaded_generate.py")
         if os.path.isfile(path):
@@ -269,7 +271,6 @@ def bench_ttft(res, quick, reps, url):
         log("store: the two-process row skipped: no examples/threaded_generate.py here "
             "(run the bench from a source checkout)")
         return
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     cmd = [sys.executable, path, "--threads", "2", "--new-tokens", "4", "--redis", url]
     best = {"first": float("inf"), "second": float("inf")}
     reused = {}
@@ -277,7 +278,7 @@ def bench_ttft(res, quick, reps, url):
     for _ in range(max(1, min(reps, 3))):
         client.flushdb()
         for name in ("first", "second"):
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
                 raise RuntimeError(f"{path} failed: {out.stderr[-2000:]}")
             ms, n = FIRST.findall(out.stdout)[-1]          # the prefix-cache run's
