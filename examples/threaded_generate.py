@@ -15,7 +15,15 @@ system prompt's blocks (and skip computing them): the hit rate, the blocks
 saved and the time to first token say what that buys. At the end every block
 is back in the pool.
 
-    python examples/threaded_generate.py [--threads 8] [--new-tokens 32]
+    python examples/threaded_generate.py [--threads 8] [--new-tokens 32] [--redis URL]
+
+With ``--redis redis://host:port/db`` the prefix-cache run's pool has a
+``RedisPrefixStore`` attached (``pip install 'ferrox_kv[redis]'``): what a
+request publishes is written through to Redis, and a prompt whose prefix is
+missing locally is read through from there. Run it twice, as two processes:
+the second one's first request finds the system prompt in Redis instead of
+computing it (compare the ``first request`` lines). The store's fingerprint
+is ``ferrox_kv.hf.fingerprint(model)``: the same seeded weights in both.
 
 The model is a tiny randomly initialised Llama (no download), so the tokens
 are meaningless; the point is the admission control and the accounting.
@@ -80,7 +88,7 @@ class FirstToken(BaseStreamer):
         pass
 
 
-def serve(model, config, args, prefix_cache):
+def serve(model, config, args, prefix_cache, store=None):
     layers, n_kv, head_dim = kv_geometry(config)
     block_size = 16
     prompt_len = args.system_len + args.user_len
@@ -88,10 +96,13 @@ def serve(model, config, args, prefix_cache):
     per_request = layers * -(-max_seq_len // block_size)
     pool = KvBlockPool(block_size, per_request * args.fits, n_kv, head_dim,
                        prefix_cache=prefix_cache)
+    if store is not None:
+        pool.attach(store)
     admission = Admission(pool)
     system = torch.randint(1, config.vocab_size, (1, args.system_len),
                            generator=torch.Generator().manual_seed(0))
     done_tokens, ttft, errors = [], [], []
+    first_request = {}
 
     def request(i):
         try:
@@ -103,12 +114,15 @@ def serve(model, config, args, prefix_cache):
             if cache is None:
                 print(f"  request {i}: refused after {args.timeout:.1f} s")
                 return
+            reused = cache.get_seq_length()
             try:
                 first = FirstToken()
                 with torch.no_grad():
                     out = model.generate(prompt, cache=cache, max_new_tokens=args.new_tokens,
                                          do_sample=False, streamer=first)
                 ttft.append(first.at - t0)
+                if i == 0:
+                    first_request.update(ttft=first.at - t0, reused=reused)
                 done_tokens.append(out.shape[1] - prompt_len)
                 if prefix_cache:
                     cache.publish(out[0])           # the next requests reuse these blocks
@@ -146,6 +160,12 @@ def serve(model, config, args, prefix_cache):
               f"({s['prefix_hits'] / max(lookups, 1):.0%}), {s['hit_tokens']} positions reused "
               f"= {s['hit_tokens'] // block_size * layers} blocks shared instead of computed "
               f"and stored anew; {s['cached_blocks']} blocks cached, {s['evictions']} evicted")
+    if first_request:
+        print(f"  first request: time to first token {first_request['ttft'] * 1e3:.1f} ms, "
+              f"{first_request['reused']} prompt positions reused")
+    if store is not None:
+        print(f"  store: {s['store_hits']} remote hits, {s['store_tokens_fetched']} positions "
+              f"fetched, {s['store_tokens_written']} written, {s['store_errors']} errors")
     print(f"  pool: high-water {s['high_water']} of {s['total_blocks']} blocks, "
           f"refusals {s['refused']}")
     pool.check()
@@ -161,6 +181,8 @@ def main():
     ap.add_argument("--user-len", type=int, default=16, help="each request's own tokens")
     ap.add_argument("--fits", type=int, default=2, help="requests the pool can hold at once")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a request may wait")
+    ap.add_argument("--redis", metavar="URL", default=None,
+                    help="share the prefix cache through this Redis (redis://host:port/db)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -173,7 +195,13 @@ def main():
     model.set_attn_implementation("ferrox")  # read the cache in place
 
     without = serve(model, config, args, prefix_cache=False)
-    with_ = serve(model, config, args, prefix_cache=True)
+    store = None
+    if args.redis is not None:
+        from ferrox_kv.hf import fingerprint
+        from ferrox_kv.store import RedisPrefixStore
+        store = RedisPrefixStore(args.redis, namespace="threaded_generate",
+                                 fingerprint=fingerprint(model))
+    with_ = serve(model, config, args, prefix_cache=True, store=store)
     print(f"time to first token with the prefix cache: {with_ / without:.2f}x of without")
     print("every block is back in the pool")
 

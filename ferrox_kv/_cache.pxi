@@ -610,18 +610,21 @@ K and V rows of one sequence in one layer.
         finally:
             _leave(self)
 
-    def save(self, path, *, fingerprint=None):
+    def save(self, path, *, fingerprint=None, tokens=None):
         """Park this conversation in the file ``path`` (atomic; its rows as
-        stored, checksummed); see ``ferrox_kv.store.save_cache``."""
+        stored, checksummed; ``tokens``: its ids, checked again by a load
+        given them); see ``ferrox_kv.store.save_cache``."""
         from ferrox_kv.store._cache import save_cache
-        return save_cache(self, path, fingerprint=fingerprint)
+        return save_cache(self, path, fingerprint=fingerprint, tokens=tokens)
 
     @staticmethod
-    def load(path, *, fingerprint=None, pool=None, max_seq_len=None):
+    def load(path, *, fingerprint=None, pool=None, max_seq_len=None, tokens=None):
         """A cache holding the conversation saved in ``path`` (verified
-        first); see ``ferrox_kv.store.load_cache``."""
+        first; ``tokens``: the resumed conversation's ids, which must start
+        with the saved ones); see ``ferrox_kv.store.load_cache``."""
         from ferrox_kv.store._cache import load_cache
-        return load_cache(path, fingerprint=fingerprint, pool=pool, max_seq_len=max_seq_len)
+        return load_cache(path, fingerprint=fingerprint, pool=pool, max_seq_len=max_seq_len,
+                          tokens=tokens)
 
     def extend(self, k_steps, v_steps):
         """Append T positions at once (prefill, a batch of drafts).

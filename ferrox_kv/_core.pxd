@@ -62,6 +62,7 @@ cdef enum:
 cdef enum:
     FX_EXHAUSTED = -1         # fewer free blocks than needed; nothing changed
     FX_BAD_IDS = -2           # an id not held as the request says; nothing changed
+    FX_NOT_FREE = -3          # would share or evict (pool_import_reserve's only_free); nothing changed
 
 
 # The prefix cache's index (see _prefix.pxi). Entry e (ids 1..cap; 0 is
@@ -201,7 +202,10 @@ cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64
                              const int32_t* tokens, const int32_t* salt,
                              const int32_t* parent, bint fit, int32_t* ent, int32_t* slot,
                              int32_t* share, int32_t* fresh, Py_ssize_t* taken,
-                             Py_ssize_t* n_new, BlockReq* r) noexcept nogil
+                             Py_ssize_t* n_new, BlockReq* r, bint only_free,
+                             Py_ssize_t* high_water) noexcept nogil
+cdef void pool_import_abort(Pool* p, const int32_t* fresh, Py_ssize_t n,
+                            Py_ssize_t high_water) noexcept nogil
 cdef Py_ssize_t pool_import_publish(Pool* p, int32_t layers, Py_ssize_t m, Py_ssize_t n_new,
                                     const uint64_t* keys, const int32_t* tokens,
                                     const int32_t* salt, const int32_t* parent, int32_t* ent,

@@ -529,6 +529,17 @@ _CHECK_MESSAGES = {
 # ---------------------------------------------------------------------------
 
 @cython.final
+cdef _import_rows(k, v, Py_ssize_t i, int32_t layers, Py_ssize_t bs, size_t k_row,
+                  size_t v_row):
+    """Entry i's stored rows for _import_prefixes: C-contiguous uint8 arrays
+    of shape (layers, bs, row bytes), or ValueError naming them."""
+    for name, a, row in (("ks", k, k_row), ("vs", v, v_row)):
+        if (not isinstance(a, np.ndarray) or a.dtype != np.uint8
+                or a.shape != (layers, bs, row) or not a.flags.c_contiguous):
+            raise ValueError(f"{name}[{i}] must be C-contiguous uint8 of shape "
+                             f"{(layers, bs, row)}")
+
+
 cdef class KvBlockPool:
     """KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None, prefix_cache=False, dtype="float32")
 --
@@ -947,7 +958,8 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             free(order); free(salt); free(par); free(dep); free(tok); free(ids)
         return layers, salts, parents, depths, toks, k, v
 
-    def _import_prefixes(self, n_layers, tokens, salts, parents, ks, vs, *, bint fit=False):
+    def _import_prefixes(self, n_layers, tokens, salts, parents, ks, vs=None, *,
+                         bint fit=False):
         """Publish verified entries (``ferrox_kv.store``): entry i has token
         ids ``tokens[i]`` (int32 ``(n, block_size)``), salt ``salts[i]``,
         parent index ``parents[i] < i`` (-1 at depth 0) and stored rows
@@ -956,7 +968,17 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         (``KvPoolExhausted``, nothing changed), or with ``fit`` the leading
         entries that fit; an entry already published is kept, not
         duplicated. Rows are copied without the GIL, outside the lock.
-        Returns ``(added, present, left_out)``."""
+        Returns ``(added, present, left_out)``.
+
+        ``ks`` may instead be a callable (``vs`` None) that reads and
+        verifies the rows: ``ks(i)`` returns entry i's ``(k, v)`` (views
+        that may reuse the previous call's buffer), called once per entry
+        in order after the blocks are reserved and before anything is
+        published. Only a pool that can take every block from its free
+        list, none of the entries published yet, is filled that way; else
+        the result is None and nothing changed (read the rows first and pass
+        them as arrays). An exception from ``ks`` gives back what was
+        reserved, exactly (``stats()`` as before), and propagates."""
         cdef Pool* p = self.p
         cdef int32_t layers = <int32_t>_count(n_layers, "n_layers", 1)
         cdef Py_ssize_t n = len(salts), i, m = 0, nn = 0, bs = p.block_size, added = 0
@@ -972,8 +994,12 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         cdef uint64_t* keys = NULL
         cdef char** kp = NULL
         cdef char** vp = NULL
+        cdef char* kr
+        cdef char* vr
         cdef BlockReq r
         cdef int rc
+        cdef bint fill = callable(ks) and vs is None
+        cdef Py_ssize_t high_water = 0
         if p.prefix == NULL:
             raise ValueError("this pool has no prefix cache: KvBlockPool(..., prefix_cache=True)")
         if layers < 1:
@@ -982,16 +1008,13 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         par = np.ascontiguousarray(parents, np.int32)
         if toks.ndim != 2 or toks.shape[0] != n or toks.shape[1] != bs:
             raise ValueError(f"tokens must be ({n}, {bs}) token ids, got shape {np.shape(toks)}")
-        if par.ndim != 1 or par.shape[0] != n or len(ks) != n or len(vs) != n:
+        if par.ndim != 1 or par.shape[0] != n or (not fill and (len(ks) != n or len(vs) != n)):
             raise ValueError("tokens, salts, parents, ks and vs must have one item per entry")
         for i in range(n):
             if not -1 <= par[i] < i:
                 raise ValueError(f"parents[{i}] = {par[i]}: a parent comes before its child")
-            for name, a, row in (("ks", ks[i], p.k_row), ("vs", vs[i], p.v_row)):
-                if (not isinstance(a, np.ndarray) or a.dtype != np.uint8
-                        or a.shape != (layers, bs, row) or not a.flags.c_contiguous):
-                    raise ValueError(f"{name}[{i}] must be C-contiguous uint8 of shape "
-                                     f"{(layers, bs, row)}")
+            if not fill:
+                _import_rows(ks[i], vs[i], i, layers, bs, p.k_row, p.v_row)
         if n == 0:
             return 0, 0, 0
         tp = <const int32_t*>cnp.PyArray_DATA(toks)
@@ -1010,25 +1033,50 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
                 raise MemoryError()
             for i in range(n):
                 sid[i] = self._salt_id(salts[i])
-                kp[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>ks[i])
-                vp[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>vs[i])
+                if not fill:
+                    kp[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>ks[i])
+                    vp[i] = <char*>cnp.PyArray_DATA(<cnp.ndarray>vs[i])
             with nogil:
                 for i in range(n):
                     keys[i] = fx_block_key(0 if pp[i] < 0 else keys[pp[i]], tp + i * bs, bs,
                                            <uint64_t>layers, <uint64_t>sid[i])
                 rc = pool_import_reserve(p, layers, n, keys, tp, sid, pp, fit, ent, slot,
-                                         share, fresh, &m, &nn, &r)
+                                         share, fresh, &m, &nn, &r, fill, &high_water)
+            if rc == FX_NOT_FREE:
+                return None
             if rc == FX_EXHAUSTED:
                 raise KvPoolExhausted(r.needed, r.free_seen)
             if rc != 0:
                 raise RuntimeError("ferrox_kv: the prefix index names a block it does not hold")
+            if fill:
+                try:
+                    for i in range(n):
+                        pair = ks(i)
+                        if type(pair) is not tuple or len(pair) != 2:
+                            raise TypeError(f"the rows of entry {i} must be a (k, v) tuple")
+                        k, v = pair
+                        _import_rows(k, v, i, layers, bs, p.k_row, p.v_row)
+                        if i < m and slot[i] >= 0:
+                            kr = <char*>cnp.PyArray_DATA(<cnp.ndarray>k)
+                            vr = <char*>cnp.PyArray_DATA(<cnp.ndarray>v)
+                            with nogil:
+                                fx_copy_blocks(p.k_arena, p.k_block, fresh + slot[i], layers,
+                                               nn, kr, True)
+                                fx_copy_blocks(p.v_arena, p.v_block, fresh + slot[i], layers,
+                                               nn, vr, True)
+                        del pair, k, v
+                except BaseException:
+                    with nogil:
+                        pool_import_abort(p, fresh, nn * layers, high_water)
+                    raise
             with nogil:
-                for i in range(m):
-                    if slot[i] >= 0:
-                        fx_copy_blocks(p.k_arena, p.k_block, fresh + slot[i], layers, nn,
-                                       kp[i], True)
-                        fx_copy_blocks(p.v_arena, p.v_block, fresh + slot[i], layers, nn,
-                                       vp[i], True)
+                if not fill:
+                    for i in range(m):
+                        if slot[i] >= 0:
+                            fx_copy_blocks(p.k_arena, p.k_block, fresh + slot[i], layers, nn,
+                                           kp[i], True)
+                            fx_copy_blocks(p.v_arena, p.v_block, fresh + slot[i], layers, nn,
+                                           vp[i], True)
                 added = pool_import_publish(p, layers, m, nn, keys, tp, sid, pp, ent, slot,
                                             fresh, tables)
         finally:

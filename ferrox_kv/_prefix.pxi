@@ -442,19 +442,25 @@ cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64
                              const int32_t* tokens, const int32_t* salt,
                              const int32_t* parent, bint fit, int32_t* ent, int32_t* slot,
                              int32_t* share, int32_t* fresh, Py_ssize_t* taken,
-                             Py_ssize_t* n_new, BlockReq* r) noexcept nogil:
+                             Py_ssize_t* n_new, BlockReq* r, bint only_free,
+                             Py_ssize_t* high_water) noexcept nogil:
     """Reserve the blocks of ``n`` entries (parents first: ``parent[i] < i``,
     -1 for a root), in one locked step. An entry already published (the same
     key, parent, salt, layer count and token ids) is held, not duplicated:
     ``ent[i]`` its entry id, ``slot[i]`` -1; a new one gets ``layers`` fresh
     blocks: ``slot[i] = t``, its layer j block ``fresh[j * n_new + t]``. All
     ``n`` or nothing (FX_EXHAUSTED, ``r`` says by how much); with ``fit``, the
-    leading entries that fit (``taken``). Held until pool_import_publish."""
+    leading entries that fit (``taken``). Held until pool_import_publish.
+    With ``only_free``, an entry already published or a block that only an
+    eviction could supply is FX_NOT_FREE (nothing changed, no refusal
+    counted): what such a reservation takes, pool_import_abort gives back
+    exactly (``high_water``: the mark before it)."""
     cdef Prefix* x = p.prefix
     cdef Py_ssize_t i, m = 0, nn = 0, ns = 0, cost, spent = 0, avail
     cdef int32_t e, b, j
     cdef int rc
     pthread_mutex_lock(&p.lock)
+    high_water[0] = p.high_water
     avail = p.total - p.n_used
     for i in range(n):
         e = 0
@@ -491,7 +497,10 @@ cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64
     r.fresh = fresh
     r.n_fresh = nn * layers
     r.owner = OWNER_CACHE
-    rc = _req_check(r)
+    if only_free and (ns > 0 or nn * layers > p.n_stack + (p.total - p.next_fresh)):
+        rc = FX_NOT_FREE
+    else:
+        rc = _req_check(r)
     if rc == 0:
         _req_apply(r)
     elif rc == FX_EXHAUSTED:
@@ -500,6 +509,27 @@ cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64
     taken[0] = m
     n_new[0] = nn
     return rc
+
+
+cdef void pool_import_abort(Pool* p, const int32_t* fresh, Py_ssize_t n,
+                            Py_ssize_t high_water) noexcept nogil:
+    """Give back the ``n`` fresh blocks of an only_free pool_import_reserve
+    that will not be published, uncounted: onto the free list, last taken
+    first; ``acquired`` loses them again and the high-water mark returns to
+    ``high_water`` (no lower than the blocks used now)."""
+    cdef Py_ssize_t i
+    cdef int32_t b
+    pthread_mutex_lock(&p.lock)
+    for i in range(n - 1, -1, -1):
+        b = fresh[i]
+        fx_store(&p.refs[b], 0)
+        p.owner[b] = OWNER_FREE
+        p.free_stack[p.n_stack] = b
+        p.n_stack += 1
+        p.n_used -= 1
+    p.acquired -= <uint64_t>n
+    p.high_water = high_water if high_water > p.n_used else p.n_used
+    pthread_mutex_unlock(&p.lock)
 
 
 cdef Py_ssize_t pool_import_publish(Pool* p, int32_t layers, Py_ssize_t m, Py_ssize_t n_new,

@@ -814,32 +814,42 @@ class FerroxCache(Cache):
         return self.pool.publish([layer.seqs[0] for layer in self.layers], ids[:have],
                                  salt=self.salt)
 
-    def save(self, path, *, fingerprint=None) -> int:
+    def save(self, path, *, fingerprint=None, tokens=None) -> int:
         """Park this conversation (batch 1) in the file ``path``: every layer's
         rows as stored, checksummed, written atomically (a prefix file of one
         entry, FORMAT.md). ``fingerprint``: the model's identity
-        (``fingerprint(model)``), checked again by ``load``. Returns the bytes
-        written."""
+        (``fingerprint(model)``), checked again by ``load``. ``tokens``: the
+        ids of the positions held (or ``generate``'s output, one more), saved
+        so that ``load(..., tokens=)`` can check a resumed conversation
+        against them. A batch of several sequences is refused
+        (``ValueError``): save each sequence's cache on its own. Returns the
+        bytes written."""
         from ferrox_kv.store._cache import save_layers
         self._check_open()
         if self.batch_size != 1:
-            raise ValueError(f"save is for a batch of 1; this cache holds {self.batch_size}")
+            raise ValueError(f"save is for a batch of 1; this cache holds {self.batch_size} "
+                             "sequences (a parked conversation is one sequence)")
         return save_layers([layer.seqs[0] for layer in self.layers], path,
-                           fingerprint=fingerprint)
+                           fingerprint=fingerprint,
+                           tokens=None if tokens is None else _ids(tokens))
 
     @classmethod
-    def load(cls, path, config, *, pool=None, max_seq_len=None, fingerprint=None):
+    def load(cls, path, config, *, pool=None, max_seq_len=None, fingerprint=None, tokens=None):
         """A FerroxCache holding the conversation parked in ``path`` by
         ``save``, verified whole first: the file's layers, heads, head_dim
         and fingerprint must be ``config``'s and ``fingerprint``'s
         (``ferrox_kv.store.StoreMismatch`` naming the field, nothing made
-        otherwise). It stores the file's dtype (a pool's must match);
+        otherwise). ``tokens``: the resumed conversation's ids (the saved
+        ones, then the new turn's); the saved ids must be their start
+        (``StoreMismatch``, field ``tokens``, also for a file saved without
+        them). It stores the file's dtype (a pool's must match);
         ``max_seq_len`` (at least the saved positions) is reserved as by the
         constructor. Pass it to ``generate`` with the whole conversation's
         ids: it feeds only the positions the cache lacks."""
         from ferrox_kv.store._cache import read_layers
         from ferrox_kv.store._format import StoreMismatch
-        g, _, ks, vs = read_layers(path, fingerprint=fingerprint)
+        g, _, ks, vs = read_layers(path, fingerprint=fingerprint,
+                                   tokens=None if tokens is None else _ids(tokens))
         n_layers, n_kv, head_dim = kv_geometry(config)
         for name, have, want in (("n_layers", g.n_layers, n_layers),
                                  ("n_kv_heads", g.n_kv_heads, n_kv),

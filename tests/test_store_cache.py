@@ -5,10 +5,9 @@ import os
 import numpy as np
 import pytest
 
-if os.environ.get("CI") == "true":
-    import xxhash  # noqa: F401
-else:
-    pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+from conftest import require_store
+
+require_store()
 
 import ferrox_kv
 from conftest import STORE_DIM, STORE_HEADS, pool_counts, rows, store_pool
@@ -95,6 +94,60 @@ def test_prefix_file_is_not_a_slot(tmp_path):
     assert e.value.field == "n_entries"
 
 
+def test_token_ids_saved_with_a_conversation_are_checked_on_load(tmp_path):
+    c = _cache("float32")
+    ids = np.arange(500, 521)
+    path = tmp_path / "slot"
+    c.save(path, fingerprint="m", tokens=ids)
+    back = ferrox_kv.KvCache.load(path, fingerprint="m", tokens=list(ids) + [7, 8])  # next turn
+    assert back.seq_len == 21 and np.array_equal(back.k, c.k)
+    assert ferrox_kv.KvCache.load(path, fingerprint="m").seq_len == 21     # no check asked
+    pool = store_pool(32)
+    before = pool_counts(pool)
+    for prompt, says in ((np.r_[ids[:5], 0, ids[6:]], "at position 5"),
+                         (ids[:20], "holds 21 positions"),
+                         (np.zeros(21, np.int64), "at position 0")):
+        with pytest.raises(StoreMismatch, match=says) as e:
+            ferrox_kv.KvCache.load(path, fingerprint="m", pool=pool, tokens=prompt)
+        assert e.value.field == "tokens"
+    assert pool_counts(pool) == before
+    with pytest.raises(TypeError):
+        ferrox_kv.KvCache.load(path, fingerprint="m", tokens=[0.5] * 21)
+    # saved without ids: zeros are not taken for ids, the check is refused
+    c.save(path, fingerprint="m")
+    with pytest.raises(StoreMismatch, match="without token ids") as e:
+        ferrox_kv.KvCache.load(path, fingerprint="m", pool=pool, tokens=np.zeros(21, int))
+    assert e.value.field == "tokens" and pool_counts(pool) == before
+    assert ferrox_kv.KvCache.load(path, fingerprint="m").seq_len == 21
+    # one id more (generate's output) is accepted; other lengths are refused, nothing written
+    c.save(path, fingerprint="m", tokens=np.arange(22))
+    assert ferrox_kv.KvCache.load(path, fingerprint="m", tokens=np.arange(22)).seq_len == 21
+    before_file = path.read_bytes()
+    for bad in (np.arange(20), np.arange(23)):
+        with pytest.raises(ValueError, match="one id per position"):
+            c.save(path, fingerprint="m", tokens=bad)
+    assert path.read_bytes() == before_file
+
+
+def test_the_no_token_ids_flag_is_refused_outside_a_parked_conversation(tmp_path):
+    from ferrox_kv.store import Geometry, decode_file, entries_from_rows
+    from ferrox_kv.store._files import save_file
+    from ferrox_kv.store._format import FLAG_NO_TOKENS
+    g = Geometry(4, 1, STORE_HEADS, STORE_DIM, STORE_DIM)
+    entries = entries_from_rows(g, np.arange(8), [rows(8, W, 1)], [rows(8, W, 2)])
+    save_file(tmp_path / "p", g, "m", entries, flags=FLAG_NO_TOKENS)
+    with pytest.raises(StoreCorrupt) as e:
+        decode_file((tmp_path / "p").read_bytes(), fingerprint="m")
+    assert e.value.field == "flags"
+    pool = store_pool(32)
+    with pytest.raises(StoreCorrupt) as e:
+        pool.load_prefixes(tmp_path / "p", fingerprint="m")
+    assert e.value.field == "flags" and pool.stats()["used_blocks"] == 0
+    pool.check()
+    with pytest.raises(ValueError, match="flags"):
+        save_file(tmp_path / "q", g, "m", entries, flags=2)
+
+
 # -- transformers ------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -169,3 +222,30 @@ def test_fingerprint_is_computed_once(llama, monkeypatch):
     monkeypatch.setattr(type(llama), "named_parameters",
                         lambda self: (_ for _ in ()).throw(AssertionError("hashed again")))
     assert fingerprint(llama) == fp
+
+
+def test_a_ferrox_cache_saves_its_token_ids_and_refuses_another_prompt(tmp_path, llama):
+    from ferrox_kv.hf import FerroxCache, fingerprint
+    ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(6))
+    out = _gen(llama, ids, cache := FerroxCache(llama.config, dtype="float32"), 4)
+    fp = fingerprint(llama)
+    cache.save(tmp_path / "conv", fingerprint=fp, tokens=out)       # generate's output
+    turn = torch.cat([out, torch.tensor([[5, 6]])], dim=1)
+    resumed = FerroxCache.load(tmp_path / "conv", llama.config, fingerprint=fp, tokens=turn)
+    assert resumed.get_seq_length() == out.shape[1] - 1
+    resumed.close()
+    other = turn.clone()
+    other[0, 3] += 1
+    with pytest.raises(StoreMismatch, match="at position 3") as e:
+        FerroxCache.load(tmp_path / "conv", llama.config, fingerprint=fp, tokens=other)
+    assert e.value.field == "tokens"
+
+
+def test_a_ferrox_cache_of_several_sequences_is_refused_by_save(tmp_path, llama):
+    from ferrox_kv.hf import FerroxCache
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(7))
+    _gen(llama, ids, cache := FerroxCache(llama.config, dtype="float32", batch_size=2), 2)
+    with pytest.raises(ValueError, match="batch of 1; this cache holds 2 sequences"):
+        cache.save(tmp_path / "conv")
+    assert not (tmp_path / "conv").exists()
+    cache.close()

@@ -9,10 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-if os.environ.get("CI") == "true":
-    import xxhash  # noqa: F401
-else:
-    pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+from conftest import require_store
+
+require_store()
 
 from ferrox_kv.store import (
     Geometry,

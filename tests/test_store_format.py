@@ -1,16 +1,14 @@
 """The prefix file and store value format (FORMAT.md): round trips, and a
 decoder that refuses whatever does not fit with the failing field named."""
 import io
-import os
 import struct
 
 import numpy as np
 import pytest
 
-if os.environ.get("CI") == "true":
-    import xxhash  # noqa: F401  (CI installs the [redis] extra, which brings it)
-else:
-    pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+from conftest import require_store
+
+require_store()
 
 from ferrox_kv import KvBlockPool, KvCache
 from ferrox_kv.store import (

@@ -9,10 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-if os.environ.get("CI") == "true":
-    import xxhash  # noqa: F401
-else:
-    pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+from conftest import require_store
+
+require_store()
 
 import ferrox_kv
 from conftest import STORE_FP, lookup_rows, pool_counts, publish_seq, store_pool
@@ -279,3 +278,106 @@ def test_import_refuses_all_or_nothing():
     with pytest.raises(ValueError, match="C-contiguous uint8"):
         small._import_prefixes(layers, toks, salts, parents, list(k[:, :1]), list(v))
     assert pool_counts(small) == before
+
+
+# -- the one-pass load: records read into one buffer, verified, copied into reserved blocks
+
+
+def test_a_fresh_pool_loads_record_by_record_without_reading_the_file_whole(tmp_path,
+                                                                           monkeypatch):
+    from ferrox_kv.store import _pool
+    pool, rows_a, rows_b = _warm()
+    path = tmp_path / "p"
+    pool.save_prefixes(path, fingerprint=STORE_FP)
+    whole = []
+    real = _pool.read_whole
+    monkeypatch.setattr(_pool, "read_whole", lambda p: whole.append(p) or real(p))
+    fresh = store_pool(64)
+    assert fresh.load_prefixes(path, fingerprint=STORE_FP)["entries"] == 6
+    assert whole == []                       # one pass, one record at a time
+    _hits(fresh, SEQ_A + [0], rows_a)
+    _hits(fresh, SEQ_B + [0], rows_b)
+    fresh.check()
+    # a warm pool that holds some of the entries reads the file whole first
+    assert fresh.load_prefixes(path, fingerprint=STORE_FP) == {
+        "entries": 0, "tokens": 0, "present": 6, "left_out": 0}
+    assert whole == [path]
+    fresh.check()
+
+
+@pytest.mark.parametrize("where", ["entry 0 k", "entry 3 v", "entry 5 tokens",
+                                   "entry 4 checksum"])
+def test_a_record_damaged_after_the_layout_gives_the_reservation_back_exactly(tmp_path,
+                                                                             where):
+    pool, _, _ = _warm()
+    path = tmp_path / "p"
+    pool.save_prefixes(path, fingerprint=STORE_FP)
+    data = bytearray(path.read_bytes())
+    lo, hi = next((lo, hi) for name, lo, hi in regions(bytes(data)) if name == where)
+    data[(lo + hi) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    fresh = store_pool(64)
+    c = ferrox_kv.KvCache.with_pool(2, 32, fresh, 8)          # a high-water mark of 2
+    c.close()
+    before = fresh.stats()
+    with pytest.raises(StoreFormatError):
+        fresh.load_prefixes(path, fingerprint=STORE_FP)
+    assert fresh.stats() == before                            # every counter, high-water too
+    fresh.check()
+    assert lookup_rows(fresh, SEQ_A + [0])[0] == 0
+
+
+def test_a_record_that_changed_after_the_layout_scan_is_refused(tmp_path, monkeypatch):
+    from ferrox_kv.store import _format, _pool
+    pool, _, _ = _warm()
+    path = tmp_path / "p"
+    pool.save_prefixes(path, fingerprint=STORE_FP)
+    real = _format.scan_file
+
+    def stale(*a, **kw):                     # the layout as it was before a rewrite
+        s = real(*a, **kw)
+        s.tokens[2, 0] += 1
+        return s
+    monkeypatch.setattr(_pool, "scan_file", stale)
+    fresh = store_pool(64)
+    before = fresh.stats()
+    with pytest.raises(StoreCorrupt) as e:
+        fresh.load_prefixes(path, fingerprint=STORE_FP)
+    assert e.value.field == "changed" and fresh.stats() == before
+    fresh.check()
+
+
+def test_import_with_a_reading_callable_gives_back_on_error_and_refuses_a_warm_pool():
+    pool, _, _ = _warm()
+    layers, salts, parents, depths, toks, k, v = pool._export_prefixes()
+    fresh = store_pool(64)
+    before = fresh.stats()
+    calls = []
+
+    def failing(i):
+        calls.append(i)
+        if i == 4:
+            raise OSError("the disk went away")
+        return k[i], v[i]
+    with pytest.raises(OSError, match="disk"):
+        fresh._import_prefixes(layers, toks, salts, parents, failing, fit=True)
+    assert calls == [0, 1, 2, 3, 4] and fresh.stats() == before
+    fresh.check()
+    for bad, exc in (((k[0],), TypeError), ((k[0][:1], v[0]), ValueError),
+                     ((k[0].astype(np.int8), v[0]), ValueError)):
+        with pytest.raises(exc):
+            fresh._import_prefixes(layers, toks, salts, parents, lambda i: bad, fit=True)
+        assert fresh.stats() == before
+    assert fresh._import_prefixes(layers, toks, salts, parents,
+                                  lambda i: (k[i], v[i]), fit=True) == (6, 0, 0)
+    fresh.check()
+    # entries already published: a reading callable is not used, nothing changes
+    after = fresh.stats()
+    assert fresh._import_prefixes(layers, toks, salts, parents, failing, fit=True) is None
+    assert fresh.stats() == after and calls == [0, 1, 2, 3, 4]
+    # a pool whose free list is short (cached blocks would be evicted): the same
+    full = store_pool(14)
+    publish_seq(full, [9, 9, 9, 9, 8, 8, 8, 8], seed=3)      # 4 of 14 blocks cached
+    after = full.stats()
+    assert full._import_prefixes(layers, toks, salts, parents, failing, fit=True) is None
+    assert full.stats() == after

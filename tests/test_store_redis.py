@@ -2,9 +2,8 @@
 the tests on a free loopback port with a temporary directory: round trips,
 pipelining, verification of every fetched value, and faults (Redis stopped,
 restarted, slow; corrupt, truncated, foreign and evicted values)."""
+import contextlib
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,107 +13,15 @@ import time
 import numpy as np
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server")
-_WHY = None
-if REDIS_SERVER is None:
-    _WHY = "no redis-server binary on PATH (apt-get install redis-server)"
-else:
-    try:
-        import redis
-        import xxhash  # noqa: F401
-    except ModuleNotFoundError as e:
-        _WHY = f"the redis extra is not installed ({e.name}): pip install 'ferrox_kv[redis]'"
-if _WHY is not None:
-    if os.environ.get("CI") == "true":
-        raise RuntimeError(f"CI must run the Redis tests, but {_WHY}")
-    pytest.skip(_WHY, allow_module_level=True)
+from conftest import require_redis
+
+redis = require_redis()
 
 from ferrox_kv import KvBlockPool, KvCache
 from ferrox_kv.store import Geometry, RedisPrefixStore, encode_value, entries_from_rows
 
 G = Geometry(16, 2, 2, 8, 8)
 FP = b"model@1"
-
-
-class RedisServer:
-    """One redis-server on 127.0.0.1, no persistence, DEBUG allowed (for
-    DEBUG SLEEP); stopped with SIGTERM (then SIGKILL)."""
-
-    def __init__(self, folder, port=None):
-        self.folder, self.port, self.proc = str(folder), port, None
-
-    # what this server runs with beyond the port, the folder and no persistence
-    extra = ("--enable-debug-command", "yes")
-    # the environment of the server: not the suite's ASan preload
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
-
-    def _port(self):
-        return self.port or _free_port()
-
-    def start(self):
-        for _ in range(20):
-            port = self._port()
-            self.proc = subprocess.Popen(
-                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", self.folder,
-                 "--save", "", "--appendonly", "no", *self.extra,
-                 "--daemonize", "no", "--logfile", os.path.join(self.folder, "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    redis.Redis(port=port, socket_timeout=1).ping()
-                    self.port = port
-                    return self
-                except redis.RedisError:
-                    time.sleep(0.02)
-            self.stop()
-            if self.port:                           # a fixed port: no other to try
-                break
-        raise RuntimeError(f"redis-server did not start (see {self.folder}/redis.log)")
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    @property
-    def url(self):
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self, **kw):
-        return redis.Redis(port=self.port, socket_timeout=10, **kw)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def shared_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def server(shared_server):
-    shared_server.client().flushall()
-    return shared_server
-
-
-@pytest.fixture
-def own_server(tmp_path):
-    """A server of this test's own, which the test may stop and restart."""
-    s = RedisServer(tmp_path).start()
-    yield s
-    s.stop()
 
 
 def _chain(n_tokens=512, salt=None, seed=0, geometry=G):
@@ -321,15 +228,25 @@ def test_redis_stopped_midrun_counts_errors_without_hanging_and_restarted_reuse_
     assert store.stats()["errors"] == 2
 
 
+@contextlib.contextmanager
+def _asleep(server, seconds=1.5):
+    """The server busy in ``DEBUG SLEEP`` (sent from another connection) for
+    the block; it is awake again after it."""
+    sleeper = threading.Thread(target=lambda: server.client().execute_command(
+        "DEBUG", "SLEEP", str(seconds)))
+    sleeper.start()
+    try:
+        time.sleep(0.1)                                  # the server is asleep now
+        yield
+    finally:
+        sleeper.join()
+
+
 def test_a_slow_redis_is_bounded_by_the_timeout(server):
     store = _store(server, timeout=0.3)
     tokens, entries = _chain(64)
     store.put_chain(G, entries)
-    sleeper = threading.Thread(target=lambda: server.client().execute_command("DEBUG", "SLEEP",
-                                                                              "1.5"))
-    sleeper.start()
-    try:
-        time.sleep(0.1)                                  # the server is asleep now
+    with _asleep(server):
         t = time.monotonic()
         assert store.get_chain(G, tokens) == []
         elapsed = time.monotonic() - t
@@ -337,8 +254,6 @@ def test_a_slow_redis_is_bounded_by_the_timeout(server):
         t = time.monotonic()
         assert store.put_chain(G, entries) == 0
         assert time.monotonic() - t < 0.3 + 0.5
-    finally:
-        sleeper.join()
     assert store.stats()["errors"] == 2
     assert _equal(store.get_chain(G, tokens), entries)   # awake again: reuse resumes
 
@@ -389,6 +304,14 @@ def test_bad_arguments_raise_before_any_io(server):
     assert store.get_chain(G, tokens, start=2) != []
 
 
+def _run_role(script, server, tmp_path, role):
+    """``python -c script URL ROLE OUT.npy`` in ``tmp_path`` (outside the
+    repository root, whose unbuilt sources would be imported)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, server.url, role, str(tmp_path / f"{role}.npy")],
+        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+
+
 def test_two_processes_share_a_prefix_and_the_rows_are_exactly_the_writers(server, tmp_path):
     script = textwrap.dedent("""
         import sys
@@ -422,9 +345,7 @@ def test_two_processes_share_a_prefix_and_the_rows_are_exactly_the_writers(serve
             n = len(got)
         print(n, store.stats()["hits"], store.stats()["rejected"])
     """)
-    run = lambda role: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", script, server.url, role, str(tmp_path / f"{role}.npy")],
-        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    run = lambda role: _run_role(script, server, tmp_path, role)  # noqa: E731
     w = run("writer")
     assert w.returncode == 0, w.stderr
     assert w.stdout.split() == ["12", "0", "0"]
@@ -435,33 +356,20 @@ def test_two_processes_share_a_prefix_and_the_rows_are_exactly_the_writers(serve
 
 
 def test_eight_threads_publish_and_fetch_through_one_store(server):
+    from conftest import run_threads
     store = RedisPrefixStore(server.url, namespace="t", fingerprint=FP, timeout=5)
     prompts = [_chain(256, salt=s, seed=i) for i, s in enumerate([None, None, "x", 5])]
     prompts[1] = _chain(256, salt=None, seed=0)         # the same prompt as 0 (contention)
     seen = []
-    failures = []
-    barrier = threading.Barrier(8)
 
-    def worker(tid):
-        try:
-            barrier.wait()
-            for it in range(12):
-                tokens, entries = prompts[(tid + it) % 4]
-                salt = entries[0].salt
-                got = store.get_chain(G, tokens, salt=salt, start=it % 3)
-                if not _equal(got, entries[it % 3:it % 3 + len(got)]):
-                    failures.append((tid, it))
-                store.put_chain(G, entries)
-                seen.append(len(got))
-        except BaseException as e:                     # pragma: no cover
-            failures.append(e)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not failures and len(seen) == 96
+    def work(tid):
+        for it in range(12):
+            tokens, entries = prompts[(tid + it) % 4]
+            got = store.get_chain(G, tokens, salt=entries[0].salt, start=it % 3)
+            assert _equal(got, entries[it % 3:it % 3 + len(got)]), (tid, it)
+            store.put_chain(G, entries)
+            seen.append(len(got))
+    assert run_threads(8, work) == [] and len(seen) == 96
     s = store.stats()
     assert s["lookups"] == 96 and s["errors"] == 0 and s["rejected"] == 0
     assert s["entries_fetched"] == sum(seen) and s["hits"] > 48
@@ -485,64 +393,6 @@ def test_the_store_works_with_a_pool_shaped_geometry(server):
                           c.v)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A three-node Redis Cluster on loopback (no replicas), made with
-    redis-cli --cluster create."""
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        if os.environ.get("CI") == "true":
-            raise RuntimeError("CI must run the cluster test, but redis-cli is missing "
-                               "(Debian's redis-tools, which redis-server depends on)")
-        pytest.skip("no redis-cli binary (apt-get install redis-tools)")
-    nodes = []
-    try:
-        for i in range(3):
-            folder = tmp_path / f"node{i}"
-            folder.mkdir()
-            node = ClusterNode(folder)
-            nodes.append(node.start())
-        out = subprocess.run([cli, "--cluster", "create",
-                              *[f"127.0.0.1:{n.port}" for n in nodes],
-                              "--cluster-replicas", "0", "--cluster-yes"],
-                             capture_output=True, text=True, timeout=60, env=nodes[0].env)
-        assert out.returncode == 0, out.stdout + out.stderr
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            info = redis.Redis(port=nodes[0].port).execute_command("CLUSTER", "INFO")
-            if b"cluster_state:ok" in info:
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError("the cluster did not reach cluster_state:ok")
-        yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
-
-
-class ClusterNode(RedisServer):
-    extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
-
-    def _port(self):
-        return _free_port_with_bus()
-
-
-def _free_port_with_bus():
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    import random
-    for _ in range(200):
-        port = random.randint(20000, 29999)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 def test_a_redis_cluster_works_through_redis_pys_cluster_client(cluster):
     from redis.cluster import RedisCluster
     client = RedisCluster(host="127.0.0.1", port=cluster[0].port, socket_timeout=5)
@@ -561,6 +411,36 @@ def test_a_redis_cluster_works_through_redis_pys_cluster_client(cluster):
     s = store.stats()
     assert (s["rejected"], s["errors"], s["hits"]) == (1, 0, 3)
     client.close()
+
+
+def test_pools_publish_and_hit_across_the_nodes_of_a_redis_cluster(cluster):
+    from redis.cluster import RedisCluster
+
+    from conftest import lookup_rows, publish_seq, store_pool
+    prompt = list(range(500, 564))                              # 16 blocks of 4
+    pools = []
+    for _ in range(2):
+        client = RedisCluster(host="127.0.0.1", port=cluster[0].port, socket_timeout=5)
+        pool = store_pool(128)
+        pool.attach(RedisPrefixStore(client, namespace="c", fingerprint=FP))
+        pools.append((pool, client))
+    (writer, _), (reader, _) = pools
+    want = publish_seq(writer, prompt + [1], seed=5, salt="tenant")
+    assert writer.stats()["store_entries_written"] == 16
+    per_node = [redis.Redis(port=n.port).dbsize() for n in cluster]
+    assert sum(per_node) == 16 and sum(1 for n in per_node if n) >= 2
+    n, got = lookup_rows(reader, prompt + [2], salt="tenant")
+    assert n == 64
+    for (gk, gv), (wk, wv) in zip(got, want):
+        assert np.array_equal(gk[:64], wk) and np.array_equal(gv[:64], wv)
+    s = reader.stats()
+    assert (s["store_hits"], s["store_entries_fetched"], s["store_errors"],
+            s["store_rejected"]) == (1, 16, 0, 0)
+    assert lookup_rows(reader, prompt + [2])[0] == 0           # another salt: no hit
+    for pool, client in pools:
+        pool.check()
+        assert pool.stats()["used_blocks"] == 0
+        client.close()
 
 
 # -- a pool with the store attached: write-through, read-through ----------------------
@@ -627,6 +507,27 @@ def test_redis_stopped_is_a_counted_miss_and_takes_no_block(own_server):
     writer.check()
 
 
+def test_a_slow_redis_is_a_counted_miss_within_the_timeout_and_takes_no_block(server):
+    from conftest import lookup_rows, publish_seq
+    writer = _attached(server, timeout=0.3)
+    want = publish_seq(writer, SYS_PROMPT, seed=7)
+    reader = _attached(server, timeout=0.3)
+    with _asleep(server):
+        t0 = time.monotonic()
+        n, _ = lookup_rows(reader, SYS_PROMPT + [0])
+        elapsed = time.monotonic() - t0
+        s = reader.stats()
+        assert n == 0 and elapsed < 0.3 + 0.5, elapsed
+        assert (s["store_lookups"], s["store_misses"], s["store_errors"]) == (1, 1, 1)
+        assert s["used_blocks"] == 0 and s["cached_blocks"] == 0
+        reader.check()
+    n, got = lookup_rows(reader, SYS_PROMPT + [0])        # awake again: the hit resumes
+    assert n == 20 and reader.stats()["store_hits"] == 1
+    for (gk, gv), (wk, wv) in zip(got, want):
+        assert np.array_equal(gk[:20], wk) and np.array_equal(gv[:20], wv)
+    reader.check()
+
+
 def test_a_full_pool_reads_through_what_fits_and_leaks_nothing(server):
     from conftest import lookup_rows, publish_seq
     writer = _attached(server)
@@ -667,9 +568,7 @@ def test_two_processes_share_a_system_prompt_through_one_redis(server, tmp_path)
             print(n, pool.stats()["store_hits"], pool.stats()["prefix_hits"])
             pool.check()
     """)
-    run = lambda role: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", script, server.url, role, str(tmp_path / f"{role}.npy")],
-        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    run = lambda role: _run_role(script, server, tmp_path, role)  # noqa: E731
     w = run("writer")
     assert w.returncode == 0, w.stderr
     assert w.stdout.split() == ["5"]
@@ -693,34 +592,45 @@ def test_the_two_servers_example_shares_the_system_prompt(server):
     assert second.startswith("second server: reused 96 positions, prefilled 3; store hits 1")
 
 
+def test_the_threaded_example_run_twice_shares_its_system_prompt_through_redis(server):
+    pytest.importorskip("transformers")
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "examples", "threaded_generate.py"),
+           "--threads", "2", "--new-tokens", "2", "--redis", server.url]
+    first, second = (subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                     for _ in range(2))
+    reused = []
+    for p in (first, second):
+        assert p.returncode == 0, p.stderr
+        assert "every block is back in the pool" in p.stdout
+        reused.append(re.findall(r"first request: time to first token [0-9.]+ ms, "
+                                 r"(\d+) prompt positions reused", p.stdout)[-1])
+    assert reused == ["0", "96"]                 # the second read the system prompt from Redis
+    hits = re.search(r"store: (\d+) remote hits, \d+ positions fetched, \d+ written, "
+                     r"(\d+) errors", second.stdout)
+    assert hits and int(hits.group(1)) >= 1 and hits.group(2) == "0"
+
+
 def test_eight_threads_read_and_write_through_one_pool_and_one_store(server):
-    from conftest import STORE_DIM, STORE_HEADS, rows
+    from conftest import STORE_DIM, STORE_HEADS, rows, run_threads
     writer = _attached(server, total=256)
     reader = _attached(server, total=256)
-    errors = []
     w = STORE_HEADS * STORE_DIM
 
     def work(i):
-        try:
-            for r in range(4):
-                pool = writer if (i + r) % 2 else reader
-                toks = SYS_PROMPT + [i, r, i, r, 1]
-                caches = KvCache.with_pool_many(2, STORE_HEADS, STORE_DIM, pool, len(toks),
-                                                tokens=toks)
-                todo = len(toks) - caches[0].seq_len
-                for j, c in enumerate(caches):
-                    c.extend(rows(todo, w, 2 * j), rows(todo, w, 2 * j + 1))
-                pool.publish(caches, toks)
-                for c in caches:
-                    c.close()
-        except Exception as e:          # pragma: no cover - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors
+        for r in range(4):
+            pool = writer if (i + r) % 2 else reader
+            toks = SYS_PROMPT + [i, r, i, r, 1]
+            caches = KvCache.with_pool_many(2, STORE_HEADS, STORE_DIM, pool, len(toks),
+                                            tokens=toks)
+            todo = len(toks) - caches[0].seq_len
+            for j, c in enumerate(caches):
+                c.extend(rows(todo, w, 2 * j), rows(todo, w, 2 * j + 1))
+            pool.publish(caches, toks)
+            for c in caches:
+                c.close()
+    assert run_threads(8, work) == []
     for pool in (writer, reader):
         pool.check()
         assert pool.stats()["used_blocks"] == 0 and pool.stats()["store_rejected"] == 0

@@ -3,9 +3,11 @@
 
 A parked conversation is a prefix file (FORMAT.md) holding one entry whose
 block is the whole conversation: ``block_size`` = its positions, ``n_layers``
-= its layers, the token ids (zeros when the caller has none), every layer's
-stored rows. It is written atomically and verified whole before a row is
-written into a cache, like any prefix file.
+= its layers, the token ids (zeros and the entry flag ``FLAG_NO_TOKENS`` when
+the caller gave none), every layer's stored rows. It is written atomically
+and verified whole before a row is written into a cache, like any prefix
+file; a load given the resumed conversation's ids checks them against the
+saved ones first.
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import numpy as np
 
 from ferrox_kv.store._files import read_whole, save_file
 from ferrox_kv.store._format import (
+    ENTRY,
+    FLAG_NO_TOKENS,
     KIND_FILE,
     Geometry,
     StoreCorrupt,
     StoreMismatch,
     _header,
+    _tokens_i32,
     _view,
     decode_file,
     entries_from_rows,
@@ -38,7 +43,8 @@ def save_layers(caches: Sequence[Any], path: str | os.PathLike[str], *, fingerpr
                 tokens: Any = None) -> int:
     """Write the layers of one conversation (caches of one geometry, dtype
     and length, at least one position) to ``path`` atomically; ``tokens``:
-    its token ids (one per position) or None. Returns the bytes written."""
+    its token ids (one per position, or one more: ``generate``'s output,
+    whose last id has no K/V yet) or None. Returns the bytes written."""
     fp = _fp(fingerprint)
     if not caches:
         raise ValueError("no layers to save")
@@ -53,29 +59,55 @@ def save_layers(caches: Sequence[Any], path: str | os.PathLike[str], *, fingerpr
                              "conversation's layers have one length")
     if n == 0:
         raise ValueError("the cache holds no position: there is nothing to save")
-    toks = np.zeros(n, np.int32) if tokens is None else np.asarray(tokens)
-    if toks.shape != (n,):
-        raise ValueError(f"tokens must hold one id per position ({n}), got shape {toks.shape}")
+    if tokens is None:
+        toks = np.zeros(n, np.int32)
+    else:
+        toks = _tokens_i32(tokens)
+        if len(toks) not in (n, n + 1):
+            raise ValueError(f"tokens must hold one id per position ({n}; or {n + 1}, "
+                             f"generate's output), got {len(toks)}")
+        toks = toks[:n]
     g = Geometry(n, len(caches), c0.n_kv_heads, c0.head_dim, c0.v_head_dim, c0.dtype).check()
     rows = [c._stored() for c in caches]
     entries = entries_from_rows(g, toks, [r[0] for r in rows], [r[1] for r in rows])
-    return save_file(path, g, fp, entries)
+    return save_file(path, g, fp, entries, flags=FLAG_NO_TOKENS if tokens is None else 0)
 
 
-def read_layers(path: str | os.PathLike[str], *, fingerprint: Any = None):
-    """(geometry, tokens, [k rows per layer], [v rows per layer]) of a parked
-    conversation, verified whole (the format's exceptions otherwise)."""
+def read_layers(path: str | os.PathLike[str], *, fingerprint: Any = None, tokens: Any = None):
+    """(geometry, tokens or None, [k rows per layer], [v rows per layer]) of
+    a parked conversation, verified whole (the format's exceptions
+    otherwise). ``tokens``: the resumed conversation's ids (at least the
+    saved positions; more are its new turn): the saved ids must be their
+    start (``StoreMismatch``, field ``tokens``; also for a file saved without
+    ids)."""
     fp = _fp(fingerprint)
+    want = None if tokens is None else _tokens_i32(tokens)
     buf = read_whole(path)
-    g = _header(_view(buf), KIND_FILE, None, None)[0]
-    dec = decode_file(buf, geometry=g, fingerprint=fp)
+    view = _view(buf)
+    g, _, _, head = _header(view, KIND_FILE, None, None)
+    dec = decode_file(buf, geometry=g, fingerprint=fp, allowed_flags=FLAG_NO_TOKENS)
     if len(dec.entries) != 1:
         raise StoreMismatch("n_entries", f"a parked conversation is one entry; this file holds "
                                          f"{len(dec.entries)} (load it with pool.load_prefixes)")
     e = dec.entries[0]
     if e.depth != 0:
         raise StoreCorrupt("depth", "a parked conversation's entry is at depth 0")
-    return g, e.tokens, list(e.k), list(e.v)
+    saved = None if ENTRY.unpack_from(view, head)[1] & FLAG_NO_TOKENS else e.tokens
+    if want is not None:
+        n = g.block_size
+        if saved is None:
+            raise StoreMismatch("tokens", "the conversation was saved without token ids, so "
+                                          "they cannot be checked: load it without tokens=, "
+                                          "or save it with tokens=")
+        if len(want) < n:
+            raise StoreMismatch("tokens", f"the saved conversation holds {n} positions; the "
+                                          f"ids given are {len(want)}")
+        diff = np.flatnonzero(want[:n] != saved)
+        if diff.size:
+            raise StoreMismatch("tokens", f"the ids given differ from the saved conversation's "
+                                          f"at position {int(diff[0])} (of {n}): this file "
+                                          "holds another conversation")
+    return g, saved, list(e.k), list(e.v)
 
 
 def new_layer(g: Geometry, pool: Any, max_seq_len: int | None, k: np.ndarray, v: np.ndarray):
@@ -99,17 +131,20 @@ def new_layer(g: Geometry, pool: Any, max_seq_len: int | None, k: np.ndarray, v:
     return c
 
 
-def save_cache(cache: Any, path: str | os.PathLike[str], *, fingerprint: Any = None) -> int:
-    """``KvCache.save``: park one cache (one layer) in ``path``."""
-    return save_layers([cache], path, fingerprint=fingerprint)
+def save_cache(cache: Any, path: str | os.PathLike[str], *, fingerprint: Any = None,
+               tokens: Any = None) -> int:
+    """``KvCache.save``: park one cache (one layer) in ``path``, with its
+    token ids when given (see ``save_layers``)."""
+    return save_layers([cache], path, fingerprint=fingerprint, tokens=tokens)
 
 
 def load_cache(path: str | os.PathLike[str], *, fingerprint: Any = None, pool: Any = None,
-               max_seq_len: int | None = None) -> Any:
+               max_seq_len: int | None = None, tokens: Any = None) -> Any:
     """``KvCache.load``: a cache holding the one layer parked in ``path``
     (contiguous, or on ``pool``); a file of several layers is refused
-    (``StoreMismatch``, field ``n_layers``)."""
-    g, _, ks, vs = read_layers(path, fingerprint=fingerprint)
+    (``StoreMismatch``, field ``n_layers``); ``tokens`` checked as by
+    ``read_layers``."""
+    g, _, ks, vs = read_layers(path, fingerprint=fingerprint, tokens=tokens)
     if g.n_layers != 1:
         raise StoreMismatch("n_layers", f"the file holds {g.n_layers} layers; KvCache.load "
                                         "reads one (FerroxCache.load reads a model's)")

@@ -7,7 +7,8 @@ from typing import IO, Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from ferrox_kv.store._format import Decoded, Entry, Geometry, decode_file, write_file
+from ferrox_kv.store._format import (Decoded, Entry, Geometry, decode_file, read_into,
+                                     write_file)
 
 T = TypeVar("T")
 
@@ -42,10 +43,12 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], T]) 
 
 
 def save_file(path: str | os.PathLike[str], geometry: Geometry, fingerprint: Any,
-              entries: Sequence[Entry]) -> int:
+              entries: Sequence[Entry], *, flags: int = 0) -> int:
     """Write a prefix file atomically (see ``atomic_write``); returns its bytes.
-    Entries are validated before anything is written."""
-    return atomic_write(path, lambda f: write_file(f, geometry, fingerprint, entries))
+    Entries are validated before anything is written; ``flags`` as for
+    ``write_file``."""
+    return atomic_write(path, lambda f: write_file(f, geometry, fingerprint, entries,
+                                                   flags=flags))
 
 
 def load_file(path: str | os.PathLike[str], *, geometry: Geometry | None = None,
@@ -60,13 +63,7 @@ def read_whole(path: str | os.PathLike[str]) -> np.ndarray:
     """The bytes of a file, read into one private uint8 buffer (a file that
     shrank while being read gives fewer bytes: a truncated one)."""
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = np.empty(size, np.uint8)
-        view, got = buf.data, 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-        del view
+        buf = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
+        with memoryview(buf) as view:
+            got = read_into(f, 0, view)
     return buf[:got]

@@ -48,6 +48,10 @@ ANY: Any = object()                  # decode_value: any salt
 
 SALT_NONE, SALT_STR, SALT_BYTES, SALT_INT = 0, 1, 2, 3
 
+# entry flags: the writer had no token ids and stored zeros (a parked
+# conversation saved without tokens=); valid only where the reader allows it
+FLAG_NO_TOKENS = 1
+
 # dtype name -> bytes per value (int8 rows add float16 scales: row_bytes)
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
@@ -283,7 +287,7 @@ def _encode_header(geometry: Geometry, fingerprint: bytes, kind: int,
     return head + xxhash.xxh3_128_digest(head)
 
 
-def _entry_parts(geometry: Geometry, e: Entry) -> list[Any]:
+def _entry_parts(geometry: Geometry, e: Entry, flags: int = 0) -> list[Any]:
     """The pieces of one entry record, its checksum last; the bulk pieces are
     memoryviews of the entry's arrays."""
     bs = geometry.block_size
@@ -302,7 +306,7 @@ def _entry_parts(geometry: Geometry, e: Entry) -> list[Any]:
     if type(e.depth) is not int or not 0 <= e.depth < 2**32:
         raise ValueError(f"entry depth must be an int in 0..2**32-1, got {e.depth!r}")
     size = ENTRY.size + len(sdata) + _pad8(len(sdata)) + 4 * bs + geometry.payload_bytes + DIGEST
-    head = ENTRY.pack(ENTRY_MAGIC, 0, size, e.depth, bs, tag, len(sdata), bytes(e.key),
+    head = ENTRY.pack(ENTRY_MAGIC, flags, size, e.depth, bs, tag, len(sdata), bytes(e.key),
                       bytes(e.parent)) + sdata + bytes(_pad8(len(sdata)))
     parts: list[Any] = [head, np.ascontiguousarray(tokens).data.cast("B"),
                         np.ascontiguousarray(k).data.cast("B"),
@@ -323,15 +327,18 @@ def encode_value(geometry: Geometry, fingerprint: Any, entry: Entry) -> bytes:
 
 
 def write_file(f: IO[bytes], geometry: Geometry, fingerprint: Any,
-               entries: Sequence[Entry]) -> int:
+               entries: Sequence[Entry], *, flags: int = 0) -> int:
     """Write a prefix file of ``entries`` (parents before their children) to the
     binary file ``f``; returns the bytes written. Use ``atomic_write`` for a path.
-    Every entry is validated before the first byte is written."""
+    Every entry is validated before the first byte is written. ``flags``:
+    every record's (``FLAG_NO_TOKENS`` or 0)."""
+    if flags not in (0, FLAG_NO_TOKENS):
+        raise ValueError(f"flags must be 0 or FLAG_NO_TOKENS, got {flags!r}")
     geometry = geometry.check()
     fp = fingerprint_bytes(fingerprint)
     entries = list(entries)
     _check_links(geometry, entries)
-    records = [_entry_parts(geometry, e) for e in entries]
+    records = [_entry_parts(geometry, e, flags) for e in entries]
     head = _encode_header(geometry, fp, KIND_FILE, len(entries))
     total = f.write(head)
     whole = xxhash.xxh3_128(head[-DIGEST:])
@@ -453,32 +460,36 @@ def _header(buf: memoryview, kind: int, geometry: Geometry | None,
     return got, fp, n_entries, size
 
 
-def _entry(buf: memoryview, at: int, g: Geometry) -> tuple[Entry, bytes, int]:
+def _entry(buf: memoryview, at: int, g: Geometry, origin: int = 0,
+           allowed_flags: int = 0) -> tuple[Entry, bytes, int]:
     """Parse and verify the entry record at ``at``; returns (entry, its
-    checksum, the offset after it). The arrays are views of ``buf``."""
+    checksum, the offset after it). The arrays are views of ``buf``.
+    Messages name byte ``origin + at`` (``buf`` may hold one record of a file);
+    flags outside ``allowed_flags`` are refused."""
+    pos = origin + at
     if len(buf) - at < ENTRY.size:
-        raise StoreCorrupt("truncated", f"ends inside an entry header at byte {at}")
+        raise StoreCorrupt("truncated", f"ends inside an entry header at byte {pos}")
     magic, flags, size, depth, n_tokens, tag, salt_len, key, parent = ENTRY.unpack_from(buf, at)
     if magic != ENTRY_MAGIC:
-        raise StoreCorrupt("entry magic", f"no entry starts at byte {at}")
+        raise StoreCorrupt("entry magic", f"no entry starts at byte {pos}")
     if salt_len > MAX_SALT:
-        raise StoreCorrupt("salt_len", f"salt of {salt_len} bytes at byte {at}")
+        raise StoreCorrupt("salt_len", f"salt of {salt_len} bytes at byte {pos}")
     start = at + ENTRY.size + salt_len + _pad8(salt_len)
     expect = start - at + 4 * g.block_size + g.payload_bytes + DIGEST
     if size != expect:
-        raise StoreCorrupt("record_bytes", f"entry at byte {at} claims {size} bytes; its "
+        raise StoreCorrupt("record_bytes", f"entry at byte {pos} claims {size} bytes; its "
                                            f"geometry and salt make {expect}")
     end = at + size
     if len(buf) < end:
-        raise StoreCorrupt("truncated", f"ends inside the entry at byte {at}")
+        raise StoreCorrupt("truncated", f"ends inside the entry at byte {pos}")
     checksum = bytes(buf[end - DIGEST:end])
     if xxhash.xxh3_128_digest(buf[at:end - DIGEST]) != checksum:
-        raise StoreCorrupt("entry checksum", f"the entry at byte {at} does not match its "
+        raise StoreCorrupt("entry checksum", f"the entry at byte {pos} does not match its "
                                              "checksum")
-    if flags != 0:
-        raise StoreCorrupt("flags", f"entry at byte {at} has unknown flags {flags:#x}")
+    if flags & ~allowed_flags:
+        raise StoreCorrupt("flags", f"entry at byte {pos} has unknown flags {flags:#x}")
     if n_tokens != g.block_size:
-        raise StoreCorrupt("n_tokens", f"entry at byte {at} holds {n_tokens} tokens, "
+        raise StoreCorrupt("n_tokens", f"entry at byte {pos} holds {n_tokens} tokens, "
                                        f"not a block of {g.block_size}")
     salt = _decode_salt(tag, bytes(buf[at + ENTRY.size:at + ENTRY.size + salt_len]))
     bs, nl = g.block_size, g.n_layers
@@ -488,10 +499,10 @@ def _entry(buf: memoryview, at: int, g: Geometry) -> tuple[Entry, bytes, int]:
     v = np.frombuffer(buf, np.uint8, nl * bs * g.v_row_bytes,
                       start + 4 * bs + kb).reshape(nl, bs, g.v_row_bytes)
     if (depth == 0) != (parent == NO_PARENT):
-        raise StoreCorrupt("parent", f"entry at byte {at}: depth {depth} with "
+        raise StoreCorrupt("parent", f"entry at byte {pos}: depth {depth} with "
                                      f"{'no ' if parent == NO_PARENT else 'a '}parent")
     if _key_of(parent, salt, tokens) != key:
-        raise StoreCorrupt("key", f"entry at byte {at}: its key is not the chained hash of "
+        raise StoreCorrupt("key", f"entry at byte {pos}: its key is not the chained hash of "
                                   "its parent, salt and tokens")
     return Entry(depth, key, parent, salt, tokens, k, v), checksum, end
 
@@ -532,6 +543,129 @@ def decode_value(data: Any, *, geometry: Geometry, fingerprint: Any,
     return e
 
 
+def read_into(f: Any, at: int, view: memoryview) -> int:
+    """Read the binary file ``f`` from byte ``at`` into ``view`` until it is
+    full or the file ends; returns the bytes read."""
+    f.seek(at)
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
+
+
+class Scanned(NamedTuple):
+    """A prefix file's layout, read record header by record header
+    (``scan_file``): each entry's offset and bytes, depth, key, parent,
+    salt, token ids and stored checksum. Only the header and the trailer
+    are verified; each record is verified when it is read whole."""
+    geometry: Geometry
+    offsets: list[int]
+    sizes: list[int]
+    depths: list[int]
+    keys: list[bytes]
+    parents: list[bytes]
+    salts: list[Any]
+    tokens: np.ndarray                 # int32 (n, block_size)
+    checksums: list[bytes]
+
+
+def scan_file(f: Any, size: int, *, geometry: Geometry, fingerprint: Any) -> Scanned:
+    """The layout of the prefix file open as ``f`` (a binary file of ``size``
+    bytes; read with seek/readinto), without reading the rows: the header
+    (verified, as by ``decode_file``), every record's fixed fields, salt,
+    token ids and checksum, and the trailer, whose whole-file checksum over
+    the records' checksums is verified here. Raises what ``decode_file``
+    raises for the same damage, except inside a record's rows, which only
+    reading the record finds (``read_entry``)."""
+    fp = fingerprint_bytes(fingerprint)
+    g = geometry.check()
+    bs = g.block_size
+    small = bytearray(ENTRY.size + MAX_SALT + 8 + 4 * bs)
+
+    def read_at(at: int, n: int) -> memoryview:
+        view = memoryview(small)[:n]
+        return view[:read_into(f, at, view)]
+
+    head = bytearray(min(size, HEADER.size + MAX_FINGERPRINT + 8 + DIGEST))
+    got = read_into(f, 0, memoryview(head))
+    _, _, n, at = _header(_view(head[:got]), KIND_FILE, g, fp)
+    record = ENTRY.size + 4 * bs + g.payload_bytes + DIGEST
+    if n > (size - at) // record:
+        raise StoreCorrupt("truncated", f"the header promises {n} entries; the "
+                                        f"{size} bytes cannot hold them")
+    whole = xxhash.xxh3_128(bytes(head[at - DIGEST:at]))
+    out = Scanned(g, [], [], [], [], [], [], np.empty((n, bs), np.int32), [])
+    seen: dict[bytes, tuple[int, Any]] = {}
+    for i in range(n):
+        fixed = read_at(at, ENTRY.size)
+        if len(fixed) < ENTRY.size:
+            raise StoreCorrupt("truncated", f"ends inside an entry header at byte {at}")
+        magic, _, rec, depth, _, tag, salt_len, key, parent = ENTRY.unpack_from(fixed, 0)
+        if magic != ENTRY_MAGIC:
+            raise StoreCorrupt("entry magic", f"no entry starts at byte {at}")
+        if salt_len > MAX_SALT:
+            raise StoreCorrupt("salt_len", f"salt of {salt_len} bytes at byte {at}")
+        start = ENTRY.size + salt_len + _pad8(salt_len)
+        if rec != start + 4 * bs + g.payload_bytes + DIGEST:
+            raise StoreCorrupt("record_bytes", f"entry at byte {at} claims {rec} bytes; its "
+                                               f"geometry and salt make "
+                                               f"{start + 4 * bs + g.payload_bytes + DIGEST}")
+        if size < at + rec:
+            raise StoreCorrupt("truncated", f"ends inside the entry at byte {at}")
+        front = read_at(at, start + 4 * bs)
+        salt = _decode_salt(tag, bytes(front[ENTRY.size:ENTRY.size + salt_len]))
+        out.tokens[i] = np.frombuffer(front, "<i4", bs, start)
+        checksum = bytes(read_at(at + rec - DIGEST, DIGEST))
+        if key in seen:
+            raise StoreCorrupt("key", f"the entry at byte {at} appears twice")
+        if depth and seen.get(parent) != (depth - 1, salt):
+            raise StoreCorrupt("parent", f"the entry at byte {at} has no parent before it "
+                                         "(same salt, depth one less)")
+        seen[key] = (depth, salt)
+        whole.update(checksum)
+        for lst, x in zip(out[1:7], (at, rec, depth, key, parent, salt)):
+            lst.append(x)
+        out.checksums.append(checksum)
+        at += rec
+    if size - at < TRAILER.size:
+        raise StoreCorrupt("truncated", f"ends at byte {size}, inside the trailer")
+    magic, count, checksum = TRAILER.unpack(read_at(at, TRAILER.size))
+    if magic != TRAILER_MAGIC:
+        raise StoreCorrupt("trailer magic", f"no trailer at byte {at}")
+    whole.update(struct.pack("<8sQ", magic, count))
+    if whole.digest() != checksum:
+        raise StoreCorrupt("file checksum", "the file's entries and trailer do not match its "
+                                            "checksum")
+    if count != n:                               # unreachable unless the checksum collides
+        raise StoreCorrupt("n_entries", f"the trailer counts {count}, the header {n}")
+    if at + TRAILER.size != size:
+        raise StoreCorrupt("trailing bytes", f"{size - at - TRAILER.size} bytes after the "
+                                             "trailer")
+    return out
+
+
+def read_entry(f: Any, scan: Scanned, i: int, buf: np.ndarray) -> Entry:
+    """Entry ``i`` of a scanned file, read whole into ``buf`` (uint8, at least
+    the record's bytes; the entry's arrays are views of it) and verified: its
+    checksum, chained key, and that it is the record ``scan`` saw (depth, key,
+    parent, salt, token ids, checksum), or StoreCorrupt naming the field."""
+    at, n = scan.offsets[i], scan.sizes[i]
+    view = memoryview(buf)[:n]
+    if read_into(f, at, view) < n:
+        raise StoreCorrupt("truncated", f"ends inside the entry at byte {at} (the file "
+                                        "shrank while it was read)")
+    e, checksum, _ = _entry(view.toreadonly(), 0, scan.geometry, origin=at)
+    if (checksum != scan.checksums[i] or e.depth != scan.depths[i] or e.key != scan.keys[i]
+            or e.parent != scan.parents[i] or type(e.salt) is not type(scan.salts[i])
+            or e.salt != scan.salts[i] or not np.array_equal(e.tokens, scan.tokens[i])):
+        raise StoreCorrupt("changed", f"the entry at byte {at} changed while the file was "
+                                      "read")
+    return e
+
+
 class Decoded(NamedTuple):
     geometry: Geometry
     fingerprint: bytes
@@ -539,12 +673,13 @@ class Decoded(NamedTuple):
 
 
 def decode_file(data: Any, *, geometry: Geometry | None = None,
-                fingerprint: Any = None) -> Decoded:
+                fingerprint: Any = None, allowed_flags: int = 0) -> Decoded:
     """Every entry of a prefix file held in ``data`` (bytes-like), verified before
     any is returned: header, each entry (checksum, chained key, parent earlier in
     the file with the same salt and depth one less), the trailer's count and
     whole-file checksum, nothing after it. With ``geometry``/``fingerprint`` a
-    file written for another one raises StoreMismatch."""
+    file written for another one raises StoreMismatch. Entry flags outside
+    ``allowed_flags`` are refused (``flags``)."""
     buf = _view(data)
     fp = None if fingerprint is None else fingerprint_bytes(fingerprint)
     g, got_fp, n, at = _header(buf, KIND_FILE, geometry, fp)
@@ -555,7 +690,7 @@ def decode_file(data: Any, *, geometry: Geometry | None = None,
     entries: list[Entry] = []
     seen: dict[bytes, tuple[int, Any]] = {}
     for _ in range(n):
-        e, checksum, nxt = _entry(buf, at, g)
+        e, checksum, nxt = _entry(buf, at, g, allowed_flags=allowed_flags)
         if e.key in seen:
             raise StoreCorrupt("key", f"the entry at byte {at} appears twice")
         if e.depth and seen.get(e.parent) != (e.depth - 1, e.salt):

@@ -14,10 +14,14 @@ import numpy as np
 
 from ferrox_kv.store._files import read_whole, save_file
 from ferrox_kv.store._format import (
+    DIGEST,
+    HEADER,
     KIND_FILE,
+    MAX_FINGERPRINT,
     NO_PARENT,
     Entry,
     Geometry,
+    Scanned,
     StoreMismatch,
     _header,
     _key_of,
@@ -25,6 +29,8 @@ from ferrox_kv.store._format import (
     decode_file,
     entries_from_rows,
     fingerprint_bytes,
+    read_entry,
+    scan_file,
 )
 
 
@@ -71,17 +77,52 @@ def load_prefixes(pool: Any, path: str | os.PathLike[str], *,
     last (cached blocks count as free: the least recently used are evicted
     for them), so each chain keeps its longest prefix that fits; the rest are
     counted in ``left_out``. Returns ``entries`` (added), ``tokens`` (their
-    positions), ``present`` (already published) and ``left_out``."""
+    positions), ``present`` (already published) and ``left_out``.
+
+    Into a pool whose free list takes every entry, none of them published
+    yet (a restart), the file is read once, record by record into one
+    buffer of one record, each verified there and copied into its reserved
+    blocks; a record that fails gives the reservation back exactly. Else the
+    file is read whole and verified before any block is reserved."""
     fp = fingerprint_bytes(fingerprint)
-    buf = read_whole(path)
-    got = _header(_view(buf), KIND_FILE, None, None)[0]
-    want = Geometry.of_pool(pool, got.n_layers)
-    for name in Geometry._fields:
-        if getattr(got, name) != getattr(want, name):
-            raise StoreMismatch(name, f"written with {name}={getattr(got, name)!r}, the "
-                                      f"pool has {getattr(want, name)!r}")
-    dec = decode_file(buf, geometry=want, fingerprint=fp)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(HEADER.size + MAX_FINGERPRINT + 8 + DIGEST)    # the longest header
+        got = _header(_view(head), KIND_FILE, None, None)[0]
+        want = Geometry.of_pool(pool, got.n_layers)
+        for name in Geometry._fields:
+            if getattr(got, name) != getattr(want, name):
+                raise StoreMismatch(name, f"written with {name}={getattr(got, name)!r}, the "
+                                          f"pool has {getattr(want, name)!r}")
+        scan = scan_file(f, size, geometry=want, fingerprint=fp)
+        done = _import_streamed(pool, scan, f)
+    if done is not None:
+        return done
+    dec = decode_file(read_whole(path), geometry=want, fingerprint=fp)
     return import_entries(pool, want, dec.entries, fit=True)
+
+
+def _import_streamed(pool: Any, scan: Scanned, f: Any) -> dict[str, int] | None:
+    """Publish a scanned file's entries, each record read and verified into one
+    reused buffer as its reserved blocks are filled; None (nothing changed)
+    where the pool would have to share or evict for them."""
+    n = len(scan.offsets)
+    order = sorted(range(n), key=lambda i: scan.depths[i])
+    at = {scan.keys[i]: j for j, i in enumerate(order)}
+    parents = np.array([-1 if scan.depths[i] == 0 else at[scan.parents[i]] for i in order],
+                       np.int32)
+    buf = np.empty(max(scan.sizes, default=0), np.uint8)
+
+    def rows(j: int) -> tuple[np.ndarray, np.ndarray]:
+        e = read_entry(f, scan, order[j], buf)
+        return e.k, e.v
+    got = pool._import_prefixes(scan.geometry.n_layers, scan.tokens[order],
+                                [scan.salts[i] for i in order], parents, rows, fit=True)
+    if got is None:
+        return None
+    added, present, left_out = got
+    return {"entries": added, "tokens": added * scan.geometry.block_size, "present": present,
+            "left_out": left_out}
 
 
 def import_entries(pool: Any, geometry: Geometry, entries: list[Entry], *,

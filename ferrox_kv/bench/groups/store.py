@@ -1,17 +1,23 @@
 """Group store: prefixes beyond one process. A prefix file loaded into a fresh
 pool vs extend of the same rows; a read-through of a prefix from Redis
-(fetch, verify, import) vs extend; what a miss costs with a store attached.
+(fetch, verify, import) vs extend, and vs the hf bench model's prefill of the
+same tokens; the store's fetch rate vs a raw pipelined GET loop; what a miss
+costs with a store attached; the time to first token of
+``examples/threaded_generate.py`` run as two processes sharing one Redis.
 Redis rows need a ``redis-server`` binary and the ``[redis]`` extra (started
 here on a free loopback port); without them they are skipped with one line."""
 import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import warnings
 
 from ferrox_kv import KvBlockPool, KvCache
-from ferrox_kv.bench.common import BLOCK_SIZE, Group, log
+from ferrox_kv.bench.common import BLOCK_SIZE, HF_INSTALL, Group, Torch1, log
 from ferrox_kv.bench.harness import best_of, rows
 from ferrox_kv.bench.targets import Target
 
@@ -157,6 +163,135 @@ def bench_redis(res, quick, reps, url):
             best["store"] / best["plain"], "no store", better="lower", tokens=n_miss)
 
 
+def bench_hf(res, quick, reps, url):
+    """A remote hit of a prefix for the hf bench model (``FerroxCache(...,
+    tokens=)`` on a fresh pool: fetch, verify, import) vs that model's
+    prefill of the same tokens into a FerroxCache; and the store's fetch of
+    those values vs a raw redis-py pipelined GET of the same keys."""
+    import redis
+    import torch
+
+    from ferrox_kv.bench.llama import make_model
+    from ferrox_kv.hf import FerroxCache, kv_geometry
+    from ferrox_kv.store import Geometry, RedisPrefixStore, chain_keys
+
+    n_tok = 512 if quick else 2048
+    cfg, model = make_model(n_tok + 1)
+    layers, n_kv, hd = kv_geometry(cfg)
+    ids = torch.randint(1, cfg.vocab_size, (1, n_tok + 1),
+                        generator=torch.Generator().manual_seed(7))
+    total = layers * (-(-(n_tok + 1) // BLOCK_SIZE) + 1)
+    store = RedisPrefixStore(url, namespace="bench-hf", fingerprint="bench-llama",
+                             timeout=5)
+
+    def fresh(attached):
+        def setup():
+            p = KvBlockPool(BLOCK_SIZE, total, n_kv, hd, prefix_cache=True)
+            if attached:
+                p.attach(store)
+            return p
+        return setup
+
+    def prefill(p):
+        cache = FerroxCache(cfg, pool=p, max_seq_len=n_tok + 1)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # sdpa gathers the pool's rows: said once
+            model(input_ids=ids[:, :n_tok], cache=cache, use_cache=True)
+        return cache
+
+    def hit(p):
+        cache = FerroxCache(cfg, pool=p, max_seq_len=n_tok + 1, tokens=ids[0])
+        assert cache.get_seq_length() == n_tok, cache.get_seq_length()
+        cache.close()
+
+    with Torch1():
+        writer = fresh(True)()
+        cache = prefill(writer)                   # published: written through to Redis
+        assert cache.publish(ids[0, :n_tok]) == n_tok
+        cache.close()
+        assert store.stats()["entries_written"] == n_tok // BLOCK_SIZE
+        best = best_of([("hit", fresh(True), hit),
+                        ("prefill", fresh(False), lambda p: prefill(p).close())], reps)
+    res.add("store", "hf-2x8x128", "store.redis_hit_vs_prefill",
+            f"remote hit of {n_tok} tokens for the hf bench model ({layers} layers, "
+            f"FerroxCache(tokens=) on a fresh pool)", best["hit"] * 1e3, "ms",
+            best["hit"] / best["prefill"], f"the model's prefill of the {n_tok} tokens",
+            layers=layers, tokens=n_tok)
+
+    # the same values, fetched by the store (verified) vs by a raw pipelined GET loop
+    g = Geometry.of_pool(writer, layers)
+    keys = [store.key(g, k) for k in chain_keys(ids[0, :n_tok].numpy(), BLOCK_SIZE)]
+    raw = redis.Redis.from_url(url, socket_timeout=5)
+    got = {}
+
+    def by_store(_):
+        got["store"] = store.stats()["bytes_fetched"]
+        assert len(store.get_chain(g, ids[0, :n_tok].numpy())) == len(keys)
+        got["store"] = store.stats()["bytes_fetched"] - got["store"]
+
+    def by_get(_):
+        pipe = raw.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        got["raw"] = sum(len(v) for v in pipe.execute())
+    best = best_of([("store", lambda: None, by_store), ("raw", lambda: None, by_get)], reps)
+    raw.close()
+    assert got["store"] == got["raw"], got
+    rate = got["store"] / best["store"]
+    res.add("store", "hf-2x8x128", "store.fetch_rate",
+            f"bytes/s fetched by get_chain ({len(keys)} values of {got['raw'] // len(keys)} "
+            "bytes, verified)", rate / 2**20, "MiB/s", rate / (got["raw"] / best["raw"]),
+            "a raw redis-py pipelined GET of the same keys", better="higher", tokens=n_tok)
+    store.close()
+
+
+def _example():
+    """examples/threaded_generate.py of a source checkout (the package's
+    parent, or the working directory), or None."""
+    import ferrox_kv
+    here = os.path.dirname(os.path.dirname(os.path.abspath(ferrox_kv.__file__)))
+    for root in (here, os.getcwd()):
+        path = os.path.join(root, "examples", "threaded_generate.py")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+FIRST = re.compile(r"first request: time to first token ([0-9.]+) ms, (\d+) prompt positions")
+
+
+def bench_ttft(res, quick, reps, url):
+    """examples/threaded_generate.py --redis URL as two processes, one after
+    the other, on an emptied Redis: the first request's time to first token
+    (its prefix-cache run) in the second process vs the first. Best of
+    ``reps`` pairs."""
+    import redis
+    path = _example()
+    if path is None:
+        log("store: the two-process row skipped: no examples/threaded_generate.py here "
+            "(run the bench from a source checkout)")
+        return
+    cmd = [sys.executable, path, "--threads", "2", "--new-tokens", "4", "--redis", url]
+    best = {"first": float("inf"), "second": float("inf")}
+    reused = {}
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    for _ in range(max(1, min(reps, 3))):
+        client.flushdb()
+        for name in ("first", "second"):
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if out.returncode != 0:
+                raise RuntimeError(f"{path} failed: {out.stderr[-2000:]}")
+            ms, n = FIRST.findall(out.stdout)[-1]          # the prefix-cache run's
+            best[name] = min(best[name], float(ms))
+            reused[name] = int(n)
+    client.close()
+    res.add("store", "tiny-4L", "store.ttft_two_processes",
+            f"first request's time to first token, second process (reused "
+            f"{reused['second']} positions from Redis)", best["second"], "ms",
+            best["second"] / best["first"], f"the first process (reused {reused['first']})",
+            better="lower")
+
+
 def run(r):
     log("store: prefix files, a Redis store")
     try:
@@ -172,6 +307,11 @@ def run(r):
     proc, folder, url = server
     try:
         bench_redis(r.res, r.quick, r.reps, url)
+        if r.hf_ok:
+            bench_hf(r.res, r.quick, r.reps, url)
+            bench_ttft(r.res, r.quick, r.reps, url)
+        else:
+            log(f"store: the hf model's rows skipped: {HF_INSTALL}")
     finally:
         proc.terminate()
         proc.wait()
@@ -185,7 +325,15 @@ TARGETS = [
            "store.redis_hit", "info", None),
     Target("a 512-token miss with a store attached vs no store", "store.miss_cost",
            "info", None),
+    Target("a remote hit of a 2048-token prefix vs the hf bench model's prefill of it",
+           "store.redis_hit_vs_prefill", "<=", 0.05),
+    Target("bytes/s fetched by the store vs a raw pipelined GET loop of the same values",
+           "store.fetch_rate", ">=", 0.7),
+    Target("time to first token of threaded_generate.py, second process vs first (one Redis)",
+           "store.ttft_two_processes", "info", None),
 ]
 
 GROUP = Group("store", "prefix files and a shared Redis store", run,
-              targets=lambda res: TARGETS)
+              targets=lambda res: TARGETS,
+              hf_rows="the store group's hf-model rows (remote hit vs prefill, the store's "
+                      "fetch rate, two processes' time to first token)")
