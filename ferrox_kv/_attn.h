@@ -381,10 +381,14 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
         const size_t kvals = (size_t)a->n_kv_heads * (size_t)a->head_dim;
         const size_t vvals = (size_t)a->n_kv_heads * (size_t)a->v_head_dim;
         size_t j;
+        /* 8 scales per vector conversion (exact, as fx_f16_to_f32): a row
+           holds n_kv_heads * groups of them, 64 at 8 x 128 */
         for (i = 0; i < n; i++) {
             float *ks = sbuf + (size_t)i * (nk + nv), *vs = ks + nk;
-            for (j = 0; j < nk; j++) ks[j] = fx_f16_to_f32(fx_ld16(c->k[i] + kvals + 2 * j));
-            for (j = 0; j < nv; j++) vs[j] = fx_f16_to_f32(fx_ld16(c->v[i] + vvals + 2 * j));
+            for (j = 0; j + 8 <= nk; j += 8) fxa_store(ks + j, fxa_load_f16(c->k[i] + kvals + 2 * j));
+            for (; j < nk; j++) ks[j] = fx_f16_to_f32(fx_ld16(c->k[i] + kvals + 2 * j));
+            for (j = 0; j + 8 <= nv; j += 8) fxa_store(vs + j, fxa_load_f16(c->v[i] + vvals + 2 * j));
+            for (; j < nv; j++) vs[j] = fx_f16_to_f32(fx_ld16(c->v[i] + vvals + 2 * j));
             c->ks[i] = ks;
             c->vs[i] = vs;
         }

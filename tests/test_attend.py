@@ -454,3 +454,36 @@ def test_threads_attend_while_others_push_and_close_on_the_same_pool():
     assert not errors, errors[0]
     pool.check()
     assert pool.free_blocks == pool.total_blocks
+
+
+@pytest.mark.parametrize("h,d", [(8, 64), (3, 96)])    # 16 scales a row; 9: 8 at a time + 1
+@pytest.mark.parametrize("kind", ["growable", "pooled-shuffled"])
+def test_int8_attend_reads_each_rows_scales_subnormal_and_non_finite_ones_too(h, d, kind):
+    # the kernel converts a row's float16 scales 8 at a time, the rest one
+    # by one.  Groups of values ~1e-4 have subnormal scales (~1e-6, below
+    # float16's smallest normal); q is 1e4 there and V's output columns are
+    # checked at their own magnitude, so a scale read as 0 or misplaced fails
+    k, v = _data(24, h, d, d, seed=11)
+    q = np.random.default_rng(12).standard_normal((4, 2 * h, d)).astype(np.float32)
+    k[:, 0, :32] *= 1e-4                                # first scale of every K row
+    q[:, :2, :32] *= 1e4
+    k[:, h - 1, d - 32:] *= 1e-4                        # last scale (the tail for 3 x 96)
+    q[:, 2 * (h - 1):, d - 32:] *= 1e4
+    v[:, h // 2, 32:64] *= 1e-4
+    c = _cache(kind, h, d, d, 24, block_size=4, dtype="int8")
+    c.extend(k, v)
+    ks, vs = _st(k, "int8"), _st(v, "int8")
+    assert 0 < np.abs(ks[:, 0, :32]).max() < 6.1e-5 * 127    # stored through subnormal scales
+    out, ref = c.attend(q), reference(ks, vs, q)
+    _check(out, ref)
+    tiny = slice(2 * (h // 2), 2 * (h // 2) + 2)
+    np.testing.assert_allclose(out[:, tiny, 32:64], ref[:, tiny, 32:64], rtol=2e-5, atol=2e-5 * 1e-4)
+    bad = v.copy()
+    bad[21, h - 1, d - 32:] = np.inf                    # its group reads back as 32 NaN
+    c2 = _cache(kind, h, d, d, 24, block_size=4, dtype="int8")
+    c2.extend(k, bad)
+    out = c2.attend(q)
+    want = np.zeros(out.shape, bool)
+    want[1:, 2 * (h - 1):, d - 32:] = True              # the queries that see row 21, those columns
+    np.testing.assert_array_equal(np.isnan(out), want)
+    _check(out[0], ref[0])
