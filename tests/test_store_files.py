@@ -165,3 +165,34 @@ def test_load_refuses_bytes_after_the_trailer_and_an_empty_file(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(StoreCorrupt, match="truncated"):
         load_file(path)
+
+
+def test_a_file_saved_over_keeps_its_mode_and_a_link_keeps_its_target(tmp_path):
+    path = tmp_path / "private.fxkv"
+    save_file(path, G, FP, _entries(32, 0))
+    os.chmod(path, 0o600)
+    save_file(path, G, FP, _entries(32, 1))
+    assert os.stat(path).st_mode & 0o777 == 0o600              # never made world-readable
+    link = tmp_path / "current.fxkv"
+    os.symlink(path, link)
+    save_file(link, G, FP, _entries(16, 2))
+    assert os.path.islink(link) and os.readlink(link) == str(path)
+    assert _same(load_file(path).entries, _entries(16, 2))
+    assert sorted(os.listdir(tmp_path)) == ["current.fxkv", "private.fxkv"]
+
+
+def test_a_fifo_at_the_path_is_refused_at_once_not_waited_on(tmp_path):
+    """Opening a FIFO for reading would wait for a writer: every loader
+    checks for a regular file first."""
+    from ferrox_kv import KvBlockPool, KvCache
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    pool = KvBlockPool(16, 8, 2, 8, prefix_cache=True)
+    for load in (lambda: load_file(fifo), lambda: KvCache.load(fifo),
+                 lambda: pool.load_prefixes(fifo, fingerprint=FP)):
+        with pytest.raises(ValueError, match="not a regular file"):
+            load()
+    with pytest.raises(IsADirectoryError):
+        load_file(tmp_path)
+    pool.check()
+    assert pool.free_blocks == 8

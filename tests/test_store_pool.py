@@ -381,3 +381,22 @@ def test_import_with_a_reading_callable_gives_back_on_error_and_refuses_a_warm_p
     after = full.stats()
     assert full._import_prefixes(layers, toks, salts, parents, failing, fit=True) is None
     assert full.stats() == after
+
+
+def test_entries_under_a_salt_the_format_cannot_hold_are_skipped_and_counted(tmp_path):
+    """One tenant's salt beyond MAX_SALT bytes must not make the whole pool
+    unsavable: its chain is left out, counted in ``skipped``."""
+    from conftest import lookup_rows, publish_seq, store_pool
+    from ferrox_kv.store._format import MAX_SALT
+    pool = store_pool(64)
+    want = publish_seq(pool, list(range(12)), salt="short", seed=1)
+    publish_seq(pool, list(range(12)), salt="x" * (MAX_SALT + 1), seed=2)
+    path = tmp_path / "p.fxkv"
+    got = pool.save_prefixes(path, fingerprint="m")
+    assert (got["entries"], got["skipped"]) == (3, 3)
+    fresh = store_pool(64)
+    assert fresh.load_prefixes(path, fingerprint="m")["entries"] == 3
+    n, rows_ = lookup_rows(fresh, list(range(12)) + [0], salt="short")
+    assert n == 12 and np.array_equal(rows_[0][0][:12], want[0][0])
+    assert lookup_rows(fresh, list(range(12)) + [0], salt="x" * (MAX_SALT + 1))[0] == 0
+    fresh.check()

@@ -634,3 +634,59 @@ def test_eight_threads_read_and_write_through_one_pool_and_one_store(server):
     for pool in (writer, reader):
         pool.check()
         assert pool.stats()["used_blocks"] == 0 and pool.stats()["store_rejected"] == 0
+
+
+def test_a_salt_longer_than_the_format_holds_stays_local_and_nothing_raises(server):
+    """The pool takes any salt; one beyond MAX_SALT bytes encoded is never
+    written to nor read from the store (the format cannot hold it), and
+    neither publish nor a lookup raises for it."""
+    from conftest import lookup_rows, publish_seq
+    from ferrox_kv.store._format import MAX_SALT
+    long = "x" * (MAX_SALT + 1)
+    writer = _attached(server)
+    want = publish_seq(writer, SYS_PROMPT, salt=long, seed=7)      # local publish, no write
+    assert writer.stats()["store_entries_written"] == 0
+    n, got = lookup_rows(writer, SYS_PROMPT + [0], salt=long)      # the local hit still works
+    assert n == 20 and np.array_equal(got[0][0][:20], want[0][0])
+    reader = _attached(server)
+    assert lookup_rows(reader, SYS_PROMPT + [0], salt=long)[0] == 0
+    s = reader.stats()
+    assert s["store_lookups"] == 0 and s["used_blocks"] == 0 and s["cached_blocks"] == 0
+    writer.check()
+    reader.check()
+
+
+def test_detaching_the_store_while_threads_look_up_and_publish_never_raises(server):
+    """attach(None) from another thread between a pool's check for a store
+    and its use of it: the lookup or the write-through just goes without."""
+    from conftest import STORE_DIM, STORE_HEADS, rows, run_threads, store_pool
+    store = RedisPrefixStore(server.url, namespace="detach", fingerprint=FP)
+    pool = store_pool(64)
+    pool.attach(store)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    stop = time.monotonic() + 2.0
+    w = STORE_HEADS * STORE_DIM
+
+    def work(i):
+        n = 0
+        while time.monotonic() < stop:
+            if i == 0:
+                pool.attach(None)
+                pool.attach(store)
+                continue
+            n += 1
+            toks = [i * 100000 + n] + list(range(15))
+            cs = KvCache.with_pool_many(2, STORE_HEADS, STORE_DIM, pool, 17, tokens=toks + [1])
+            have = cs[0].seq_len
+            for c in cs:
+                c.extend(rows(16 - have, w, n), rows(16 - have, w, n + 1))
+            pool.publish(cs, toks)
+            for c in cs:
+                c.close()
+    try:
+        assert run_threads(3, work) == []
+    finally:
+        sys.setswitchinterval(old)
+    pool.check()
+    assert pool.stats()["used_blocks"] == 0

@@ -173,6 +173,17 @@ def encode_salt(salt: Any) -> tuple[int, bytes]:
     return tag, data
 
 
+def salt_fits(salt: Any) -> bool:
+    """Whether the format can hold ``salt``: at most ``MAX_SALT`` bytes
+    encoded. The pool takes any salt; sequences under a longer one stay
+    local (never saved to a file nor written to or read from a store)."""
+    try:
+        encode_salt(salt)
+    except ValueError:
+        return False
+    return True
+
+
 def _decode_salt(tag: int, data: bytes) -> Any:
     if tag == SALT_NONE and not data:
         return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ferrox_kv.store._files import read_whole, save_file
+from ferrox_kv.store._files import open_regular, read_whole, save_file
 from ferrox_kv.store._format import (
     DIGEST,
     HEADER,
@@ -30,24 +30,33 @@ from ferrox_kv.store._format import (
     entries_from_rows,
     fingerprint_bytes,
     read_entry,
+    salt_fits,
     scan_file,
 )
 
 
-def export_entries(pool: Any, n_layers: int | None = None) -> tuple[Geometry, list[Entry]]:
+def export_entries(pool: Any, n_layers: int | None = None
+                   ) -> tuple[Geometry, list[Entry], int]:
     """Every published prefix entry of ``pool`` (of ``n_layers`` layers; None:
     the one layer count its entries have), parents first, with the store's
-    chained keys; the rows are private copies."""
+    chained keys; the rows are private copies. Also the count of entries
+    left out because their salt is longer than the format holds
+    (``salt_fits``)."""
     layers, salts, parents, depths, toks, k, v = pool._export_prefixes(
         0 if n_layers is None else n_layers)
     g = Geometry.of_pool(pool, layers)
-    keys: list[bytes] = []
+    keys: list[bytes | None] = []
     entries: list[Entry] = []
     for i, salt in enumerate(salts):
+        # a salt beyond the format's MAX_SALT is left out, with its whole
+        # chain (every entry of a chain has its root's salt)
         parent = NO_PARENT if parents[i] < 0 else keys[parents[i]]
+        if parent is None or not salt_fits(salt):
+            keys.append(None)
+            continue
         keys.append(_key_of(parent, salt, toks[i]))
         entries.append(Entry(int(depths[i]), keys[i], parent, salt, toks[i], k[i], v[i]))
-    return g, entries
+    return g, entries, len(salts) - len(entries)
 
 
 def save_prefixes(pool: Any, path: str | os.PathLike[str], *, fingerprint: Any,
@@ -55,12 +64,15 @@ def save_prefixes(pool: Any, path: str | os.PathLike[str], *, fingerprint: Any,
     """Write every published prefix entry of ``pool`` to the prefix file
     ``path`` atomically (FORMAT.md). ``fingerprint`` names the model (bytes or
     str). A pool whose entries were published with several layer counts
-    needs ``n_layers=`` (``ValueError`` otherwise). Returns ``entries``,
-    ``tokens`` and ``bytes`` written."""
+    needs ``n_layers=`` (``ValueError`` otherwise). Entries published under a
+    salt longer than the format holds (64 KiB encoded) are not written.
+    Returns ``entries``, ``tokens`` and ``bytes`` written, and ``skipped``
+    (entries left out for their salt)."""
     fingerprint_bytes(fingerprint)             # a bad one raises before anything is held
-    g, entries = export_entries(pool, n_layers)
+    g, entries, skipped = export_entries(pool, n_layers)
     size = save_file(path, g, fingerprint, entries)
-    return {"entries": len(entries), "tokens": len(entries) * g.block_size, "bytes": size}
+    return {"entries": len(entries), "tokens": len(entries) * g.block_size, "bytes": size,
+            "skipped": skipped}
 
 
 def load_prefixes(pool: Any, path: str | os.PathLike[str], *,
@@ -85,7 +97,7 @@ def load_prefixes(pool: Any, path: str | os.PathLike[str], *,
     blocks; a record that fails gives the reservation back exactly. Else the
     file is read whole and verified before any block is reserved."""
     fp = fingerprint_bytes(fingerprint)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER.size + MAX_FINGERPRINT + 8 + DIGEST)    # the longest header
         got = _header(_view(head), KIND_FILE, None, None)[0]
@@ -165,7 +177,12 @@ def check_store(store: Any) -> None:
 def write_through(pool: Any, caches: Any, tokens: np.ndarray, salt: Any) -> int:
     """After ``pool.publish``: the published blocks of one sequence
     (``caches``: its layers; ``tokens``: the published positions) to the
-    attached store. Store faults are counted there, never raised."""
+    attached store. Store faults are counted there, never raised; a store
+    detached meanwhile, or a salt longer than the format holds, writes
+    nothing."""
+    store = pool.store                 # read once: another thread may detach it
+    if store is None or not salt_fits(salt):
+        return 0
     g = Geometry.of_pool(pool, len(caches))
     n = len(tokens)
     ks, vs = [], []
@@ -174,7 +191,7 @@ def write_through(pool: Any, caches: Any, tokens: np.ndarray, salt: Any) -> int:
         ks.append(k[:n])
         vs.append(v[:n])
     entries = entries_from_rows(g, tokens, ks, vs, salt=salt)
-    return pool.store.put_chain(g, entries)
+    return store.put_chain(g, entries)
 
 
 def read_through(pool: Any, tokens: np.ndarray, salt: Any, n_layers: int) -> int:
@@ -182,8 +199,11 @@ def read_through(pool: Any, tokens: np.ndarray, salt: Any, n_layers: int) -> int
     prefix, fetched from the attached store (verified there), imported and
     published, so that the lookup that follows shares them. A store fault
     or a pool too full to take them is a miss here: nothing is raised and no
-    block stays taken. Returns the blocks added."""
-    store = pool.store
+    block stays taken; so is a store detached meanwhile, or a salt longer
+    than the format holds. Returns the blocks added."""
+    store = pool.store                 # read once: another thread may detach it
+    if store is None or not salt_fits(salt):
+        return 0
     bs = pool.block_size
     nb = len(tokens) // bs
     local = pool._prefix_match(tokens, salt, n_layers)
