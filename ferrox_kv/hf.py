@@ -846,7 +846,7 @@ class FerroxCache(Cache):
         ``max_seq_len`` (at least the saved positions) is reserved as by the
         constructor. Pass it to ``generate`` with the whole conversation's
         ids: it feeds only the positions the cache lacks."""
-        from ferrox_kv.store._cache import read_layers
+        from ferrox_kv.store._cache import read_layers, reserved
         from ferrox_kv.store._format import StoreMismatch
         g, _, ks, vs = read_layers(path, fingerprint=fingerprint,
                                    tokens=None if tokens is None else _ids(tokens))
@@ -857,8 +857,7 @@ class FerroxCache(Cache):
                                  ("v_head_dim", g.v_head_dim, head_dim)):
             if have != want:
                 raise StoreMismatch(name, f"saved with {name}={have}, the model has {want}")
-        n = g.block_size
-        cap = n if max_seq_len is None else max(int(max_seq_len), n)
+        cap = reserved(max_seq_len, g.block_size)
         cache = cls(config, pool=pool, max_seq_len=cap, dtype=g.dtype)
         try:
             for layer, k, v in zip(cache.layers, ks, vs):

@@ -249,3 +249,17 @@ def test_a_ferrox_cache_of_several_sequences_is_refused_by_save(tmp_path, llama)
         cache.save(tmp_path / "conv")
     assert not (tmp_path / "conv").exists()
     cache.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 2.5, True, "8"])
+def test_a_bad_max_seq_len_is_refused_before_any_cache_is_made(tmp_path, bad):
+    c = _cache("float32")
+    path = tmp_path / "slot"
+    c.save(path)
+    pool = store_pool(32)
+    before = pool_counts(pool)
+    with pytest.raises(ValueError, match="max_seq_len must be None or a positive int"):
+        ferrox_kv.KvCache.load(path, pool=pool, max_seq_len=bad)
+    assert pool_counts(pool) == before
+    assert ferrox_kv.KvCache.load(path, max_seq_len=64).seq_len == c.seq_len
+    pool.check()

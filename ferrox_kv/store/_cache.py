@@ -110,13 +110,21 @@ def read_layers(path: str | os.PathLike[str], *, fingerprint: Any = None, tokens
     return g, saved, list(e.k), list(e.v)
 
 
+def reserved(max_seq_len: int | None, n: int) -> int:
+    """The positions a loaded conversation of ``n`` positions reserves:
+    ``max_seq_len`` (None: ``n``), at least ``n``."""
+    if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):
+        raise ValueError("max_seq_len must be None or a positive int (the positions to "
+                         f"reserve), got {max_seq_len!r}")
+    return n if max_seq_len is None else max(max_seq_len, n)
+
+
 def new_layer(g: Geometry, pool: Any, max_seq_len: int | None, k: np.ndarray, v: np.ndarray):
     """A cache holding one layer's rows: contiguous, or on ``pool`` (its
     geometry and dtype must match: ``ValueError``), reserving
     max(max_seq_len, the rows)."""
     from ferrox_kv import KvCache
-    n = g.block_size
-    cap = n if max_seq_len is None else max(int(max_seq_len), n)
+    cap = reserved(max_seq_len, g.block_size)
     if pool is None:
         c = KvCache.with_capacity(g.n_kv_heads, g.head_dim, cap, v_head_dim=g.v_head_dim,
                                   dtype=g.dtype)
