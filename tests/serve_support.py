@@ -13,3 +13,15 @@ from ferrox_kv.serve.tiny import CHAT_TEMPLATE, SYSTEM, TEXT, make_model_dir  # 
 def Server(model_dir, workdir, *args, start_timeout=180):
     """The server on ``model_dir`` with ``args``, run in ``workdir``."""
     return ServerProcess(model_dir, *args, workdir=workdir, start_timeout=start_timeout)
+
+
+def greedy_new_ids(model, ids, max_tokens):
+    """The ids ``model.generate`` adds to ``ids`` greedily with DynamicCache
+    (the reference every serving test compares against)."""
+    import torch
+    from transformers import DynamicCache
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                             dtype=torch.long), max_new_tokens=max_tokens, do_sample=False,
+                             cache=DynamicCache(config=model.config))
+    return out[0, len(ids):].tolist()

@@ -29,9 +29,7 @@ for _m in S_DEPS:
     pytest.importorskip(_m)
 
 import httpx  # noqa: E402
-import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
 
 POOL_ARGS = ("--kv-blocks", 64, "--block-size", 16, "--max-batch", 8, "--max-queue", 16,
              "--queue-timeout", 3, "--prefill-chunk", 32)
@@ -66,11 +64,7 @@ def ref(model_dir):
         model_dir, attn_implementation="sdpa").eval()
 
     def gen(ids, max_tokens):
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                 dtype=torch.long), max_new_tokens=max_tokens, do_sample=False,
-                                 cache=DynamicCache(config=model.config))
-        new = out[0, len(ids):].tolist()
+        new = S.greedy_new_ids(model, ids, max_tokens)
         return tok.decode(new, skip_special_tokens=True), len(
             [t for t in new if t != tok.eos_token_id])
 

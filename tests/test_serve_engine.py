@@ -197,8 +197,6 @@ def test_prompts_admitted_together_prefill_in_one_forward_with_decode_and_equal_
     of three requests admitted together (the third split by the step's
     prefill budget, finished in the next step) into one forward; every
     greedy completion equals generate with DynamicCache and SDPA."""
-    from transformers import DynamicCache
-
     from ferrox_kv.serve.engine import Request, Sampling
 
     model, tok = parts
@@ -206,11 +204,7 @@ def test_prompts_admitted_together_prefill_in_one_forward_with_decode_and_equal_
         model.name_or_path, attn_implementation="sdpa").eval()
 
     def want(ids, n):
-        with torch.inference_mode():
-            out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                               dtype=torch.long), max_new_tokens=n, do_sample=False,
-                               cache=DynamicCache(config=ref.config))
-        new = out[0, len(ids):].tolist()
+        new = S.greedy_new_ids(ref, ids, n)
         return new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
 
     budget = 48
