@@ -29,6 +29,7 @@ cdef extern from "_attn.h" nogil:
                    float* scratch)
     const char* fx_attend_simd_path()
     const char* fx_attend_load_path(int dtype)
+    int fx_attend_set_max_width(int w)
 
 from libc.math cimport sqrt
 
@@ -58,7 +59,9 @@ def set_attend_gil_release_threshold(Py_ssize_t nbytes):
 
 def simd_path(dtype=None):
     """The SIMD code path the attention kernel runs on this CPU (chosen at
-    load time: the wheel carries a baseline and an x86-64-v3 version). With
+    load time: the wheel carries a baseline, an x86-64-v3 (AVX2) and an
+    x86-64-v4 (AVX-512, 16-float vectors) version; the last runs only where
+    both head dims are multiples of 16, others run the x86-64-v3 one). With
     a storage ``dtype``, also how rows of that dtype are loaded, e.g.
     ``"x86-64-v3 (AVX2+FMA); float16: F16C vcvtph2ps"``."""
     path = fx_attend_simd_path().decode()

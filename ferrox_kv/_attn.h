@@ -30,26 +30,31 @@
  *     pointers, so contiguous and paged caches share one path and a chunk
  *     may straddle blocks.  Query vectors sharing a kv head are processed
  *     in tiles of 4 (GQA heads of one position, or several positions):
- *     each K/V vector loaded feeds 4 queries.  See fx_attend for the loop
- *     nest.
+ *     each K/V vector loaded feeds 4 queries.  Where many query vectors
+ *     share a kv head (prefill) its K slice is packed transposed, so the
+ *     scores of a tile come out as vectors over rows, with no horizontal
+ *     sum.  See fx_attend for the loop nest.
  *   - Nothing of context size is allocated: the caller's scratch
  *     (fx_attend_scratch_floats) holds scaled queries, accumulators, m, l
  *     and one chunk of scores.  No allocation, no libc calls besides
  *     memset/memcpy: safe to call without the GIL.
- *   - SIMD through 8-lane vector helpers (GCC/clang vector extensions:
- *     SSE2 on the x86-64 baseline, AVX2+FMA in the x86-64-v3 clone, NEON on
- *     aarch64; a plain C fallback for other compilers).  On x86-64 glibc
+ *   - SIMD through vector helpers (GCC/clang vector extensions: SSE2 on the
+ *     x86-64 baseline, AVX2+FMA in the x86-64-v3 clone, NEON on aarch64; a
+ *     plain C fallback for other compilers), 8 floats wide; the q.k and p.V
+ *     tiles (_attn_tile.h) also come 16 wide for AVX-512.  On x86-64 glibc
  *     with gcc >= 11, fx_attend() carries
  *     target_clones("arch=x86-64-v3", "default"); every helper is
  *     always_inline, so each clone gets its own copy of the whole loop nest.
- *     The one other outer function is fxa_attend_f16c
- *     (target("arch=x86-64-v3")): the float16 instantiation with F16C, which
- *     fx_attend calls when the CPU runs the v3 clone (gcc 12 neither
- *     vectorises _Float16 conversions nor lets an F16C intrinsic inline
- *     into a clone that also builds for the baseline).  Never put target
- *     attributes on the helpers (that stops them inlining), and never pass
- *     a vector to a function that is not inlined (the ABI differs between
- *     the clones).
+ *     Two other outer functions are built for one target each and called
+ *     by fx_attend when the CPU has it: fxa_attend_v4
+ *     (target("arch=x86-64-v4"): every dtype on 16-float vectors, for head
+ *     dims that are multiples of 16) and fxa_attend_f16c
+ *     (target("arch=x86-64-v3")): the float16 instantiation with F16C
+ *     (gcc 12 neither vectorises _Float16 conversions nor lets an F16C
+ *     intrinsic inline into a clone that also builds for the baseline).
+ *     Never put target attributes on the helpers (that stops them
+ *     inlining), and never pass a vector to a function that is not inlined
+ *     (the ABI differs between the clones).
  *   - The speed depends on floating-point contraction: GNU C's default
  *     -ffp-contract=fast turns a*b+c into FMA in the v3 clone (ISO modes,
  *     -std=c99/c11, turn it off).  Do not build with -ffast-math.
@@ -270,6 +275,42 @@ typedef short fxa_v8s __attribute__((vector_size(16), aligned(1), may_alias));
 #define fxa_load_f16c(p) fxa_load_f16(p)
 #endif
 
+/* 16-float vectors: AVX-512, built only into the x86-64-v4 instantiation
+   (fxa_attend_v4) or a build for AVX-512.  Loads as above, 16 values; the
+   float16 ones join two 8-value conversions.  fxa16_fold8: the low half
+   plus the high half (same lane sums). */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12) && (FX_ATTN_CLONES || defined(__AVX512F__))
+#define FXA_HAVE_W16 1
+typedef float fxa_v16 __attribute__((vector_size(64)));
+typedef float fxa_v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t fxa_v16i __attribute__((vector_size(64)));
+typedef int16_t fxa_v16w __attribute__((vector_size(32)));
+typedef uint16_t fxa_v16h __attribute__((vector_size(32), aligned(1), may_alias));
+typedef int8_t fxa_v16b __attribute__((vector_size(16), aligned(1), may_alias));
+#define fxa16_load(p) ((fxa_v16)*(const fxa_v16u *)(const void *)(p))
+#define fxa16_store(p, v) ((void)(*(fxa_v16u *)(void *)(p) = (v)))
+#define fxa16_splat(x) __extension__({                                                           \
+    const float x16_ = (x);                                                                       \
+    (fxa_v16){x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_}; })
+#define fxa16_fold8(v) __extension__({                                  \
+    const fxa_v16 v16_ = (v);                                            \
+    fxa_v8 lo8_, hi8_;                                                   \
+    memcpy(&lo8_, &v16_, sizeof lo8_);                                  \
+    memcpy(&hi8_, (const char *)&v16_ + sizeof lo8_, sizeof hi8_);      \
+    lo8_ + hi8_; })
+#define FX_JOIN16(lo, hi) __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define fxa16_load_f32(p) fxa16_load(p)
+#define fxa16_load_bf16(p) ((fxa_v16)(__builtin_convertvector(*(const fxa_v16h *)(const void *)(p), fxa_v16i) << 16))
+#define fxa16_load_i8(p, sc)                                                                                    \
+    (__builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const fxa_v16b *)(const void *)(p), \
+                                                                             fxa_v16w), fxa_v16i), fxa_v16) *    \
+     fxa16_splat(sc))
+#define fxa16_load_f16(p) FX_JOIN16(fxa_load_f16(p), fxa_load_f16((p) + 16))
+#define fxa16_load_f16c(p) FX_JOIN16(fxa_load_f16c(p), fxa_load_f16c((p) + 16))
+#else
+#define FXA_HAVE_W16 0
+#endif
+
 #else /* plain C fallback: same interface, element loops */
 typedef struct { float x[8]; } fxa_v8;
 FX_INLINE fxa_v8 fxa_load(const float *p) { fxa_v8 v; memcpy(v.x, p, sizeof v.x); return v; }
@@ -293,9 +334,10 @@ FX_INLINE fxa_v8 fxa_load_f16(const char *p) { fxa_v8 v; int i; for (i = 0; i < 
 FX_INLINE fxa_v8 fxa_load_i8(const char *p, float sc) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = (float)((const int8_t *)p)[i] * sc; return v; }
 #define FXA_HAVE_F16C 0
 #define fxa_load_f16c(p) fxa_load_f16(p)
+#define FXA_HAVE_W16 0
 #endif
 
-/* The loads of the kernel: 8 values (FXA_LD) or one (fxa_ld1) at value
+/* The loads of the kernel: 8 values (FXA_LD), 16 (FXA_LD16) or one (fxa_ld1) at value
    offset e of a row; sc: the int8 group's scale.  dt is a constant in every
    instantiation, so each load compiles to its dtype's instructions alone.
    FXA_F16C: float16 read by F16C (only in code built for x86-64-v3). */
@@ -305,6 +347,11 @@ FX_INLINE fxa_v8 fxa_load_i8(const char *p, float sc) { fxa_v8 v; int i; for (i 
      : (dt) == FX_BF16 ? fxa_load_bf16((row) + 2 * (size_t)(e))                                  \
      : (dt) == FX_I8 ? fxa_load_i8((row) + (e), (sc))                                            \
      : (dt) == FXA_F16C ? fxa_load_f16c((row) + 2 * (size_t)(e)) : fxa_load_f16((row) + 2 * (size_t)(e)))
+#define FXA_LD16(dt, row, e, sc)                                                                 \
+    ((dt) == FX_F32 ? fxa16_load_f32((const float *)(const void *)(row) + (e))                       \
+     : (dt) == FX_BF16 ? fxa16_load_bf16((row) + 2 * (size_t)(e))                                \
+     : (dt) == FX_I8 ? fxa16_load_i8((row) + (e), (sc))                                          \
+     : (dt) == FXA_F16C ? fxa16_load_f16c((row) + 2 * (size_t)(e)) : fxa16_load_f16((row) + 2 * (size_t)(e)))
 FX_INLINE float fxa_ld1(const int dt, const char *row, size_t e, float sc)
 {
     float x;
@@ -338,7 +385,11 @@ static inline FX_UNUSED float fxa_exp2f(float y)
 
 /* ---- kernel pieces ---------------------------------------------------- */
 #define FX_C FX_ATTN_CHUNK
-#define FX_CS (FX_C + 16) /* stride of a score row: a chunk plus the overhang of a last row group */
+/* floats per d of a packed, transposed K slice: whole groups of 48 rows
+   (the 3 vectors of a transposed score tile at either width) */
+#define FX_KT ((FX_C + 47) / 48 * 48)
+/* stride of a score row: a chunk plus the overhang of a last row group */
+#define FX_CS (FX_C + 16 > FX_KT ? FX_C + 16 : FX_KT)
 #define FX_LOG2E 1.4426950408889634f
 
 /* Row pointers of one chunk (first byte of each K and V row); entries past
@@ -405,81 +456,36 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
    start at soff (0 for other dtypes). */
 #define FXA_SC(dt, s, r, soff, d) ((dt) == FX_I8 ? (s)[r][(soff) + ((size_t)(d) >> 5)] : 0.0f)
 
-/* s[t*FX_CS + r] = q_t . k_r for a T x R tile (T*R == 12); q_t = q + t*hd,
-   k_r = the head slice at value offset koff of row k[r] (int8 scales:
-   ks[r] + soff).  12 independent accumulators (8 would leave the FMA
-   latency exposed); each K vector is loaded once for the T queries. */
-FX_INLINE void fxa_qk_tile(const int T, const int R, const float *q, int hd, const char *const *k,
-                          const float *const *ks, size_t koff, size_t soff, float *s, const int dt)
-{
-    fxa_v8 acc[12], kr[12];
-    float sum[12];
-    int t, r, d = 0;
-    for (t = 0; t < 12; t++) acc[t] = fxa_splat(0.0f);
-    for (; d + 8 <= hd; d += 8) {
-        for (r = 0; r < R; r++) kr[r] = FXA_LD(dt, k[r], koff + d, FXA_SC(dt, ks, r, soff, d));
-        for (t = 0; t < T; t++) {
-            const fxa_v8 qv = fxa_load(q + (size_t)t * hd + d);
-            for (r = 0; r < R; r++) acc[t * R + r] = fxa_fma(qv, kr[r], acc[t * R + r]);
-        }
-    }
-    fxa_hsum8x8(acc, sum);
-    fxa_hsum4x8(acc + 8, sum + 8);
-    for (; d < hd; d++)
-        for (r = 0; r < R; r++) {
-            const float kx = fxa_ld1(dt, k[r], koff + (size_t)d, FXA_SC(dt, ks, r, soff, d));
-            for (t = 0; t < T; t++) sum[t * R + r] += q[(size_t)t * hd + d] * kx;
-        }
-    for (t = 0; t < T; t++)
-        for (r = 0; r < R; r++) s[t * FX_CS + r] = sum[t * R + r];
-}
+/* The width-dependent tiles (_attn_tile.h): fxa_qk_tile_8, fxa_pv_tile_8
+   on 8-float vectors everywhere; fxa_qk_tile_16, fxa_pv_tile_16 on 16-float
+   vectors where FXA_HAVE_W16.  FXA_QK_TILE / FXA_PV_TILE pick one by W, a
+   constant in every instantiation of the loop nest. */
+#define FXT_W 8
+#define FXT_V fxa_v8
+#define FXT_LOAD fxa_load
+#define FXT_STORE fxa_store
+#define FXT_SPLAT fxa_splat
+#define FXT_LD FXA_LD
+#define FXT_FOLD8(v) (v)
+#include "_attn_tile.h"
+#if FXA_HAVE_W16
+#define FXT_W 16
+#define FXT_V fxa_v16
+#define FXT_LOAD fxa16_load
+#define FXT_STORE fxa16_store
+#define FXT_SPLAT fxa16_splat
+#define FXT_LD FXA_LD16
+#define FXT_FOLD8 fxa16_fold8
+#include "_attn_tile.h"
+#define FXA_QK_TILE(W, ...) ((W) == 16 ? fxa_qk_tile_16(__VA_ARGS__) : fxa_qk_tile_8(__VA_ARGS__))
+#define FXA_QKT_TILE(W, ...) ((W) == 16 ? fxa_qkt_tile_16(__VA_ARGS__) : fxa_qkt_tile_8(__VA_ARGS__))
+#define FXA_PV_TILE(W, ...) ((W) == 16 ? fxa_pv_tile_16(__VA_ARGS__) : fxa_pv_tile_8(__VA_ARGS__))
+#else
+#define FXA_QK_TILE(W, ...) ((void)(W), fxa_qk_tile_8(__VA_ARGS__))
+#define FXA_QKT_TILE(W, ...) ((void)(W), fxa_qkt_tile_8(__VA_ARGS__))
+#define FXA_PV_TILE(W, ...) ((void)(W), fxa_pv_tile_8(__VA_ARGS__))
+#endif
 
-/* Columns d .. d+8S of o_t (o_t = o + t*dv):
-   o_t = (rescale ? o_t * alpha_t : o_t) + sum_{r0 <= r < r1} p[t*FX_CS + r] * v_r,
-   v_r = the head slice at value offset voff of row v[r] (int8 scales: vs[r]
-   + soff).  The T*S <= 12 accumulators stay in registers over the rows. */
-FX_INLINE void fxa_pv_strip(const int T, const int S, float *o, int dv, const float *alpha, int rescale,
-                           const float *p, const char *const *v, const float *const *vs, size_t voff, size_t soff,
-                           int r0, int r1, int d, const int dt)
-{
-    fxa_v8 acc[12], vr[12];
-    int t, s, r;
-    for (t = 0; t < T; t++)
-        for (s = 0; s < S; s++) {
-            acc[t * S + s] = fxa_load(o + (size_t)t * dv + d + 8 * s);
-            if (rescale) acc[t * S + s] = fxa_mul(acc[t * S + s], fxa_splat(alpha[t]));
-        }
-    for (r = r0; r < r1; r++) {
-        for (s = 0; s < S; s++) vr[s] = FXA_LD(dt, v[r], voff + d + 8 * s, FXA_SC(dt, vs, r, soff, d + 8 * s));
-        for (t = 0; t < T; t++) {
-            const fxa_v8 pt = fxa_splat(p[t * FX_CS + r]);
-            for (s = 0; s < S; s++) acc[t * S + s] = fxa_fma(pt, vr[s], acc[t * S + s]);
-        }
-    }
-    for (t = 0; t < T; t++)
-        for (s = 0; s < S; s++) fxa_store(o + (size_t)t * dv + d + 8 * s, acc[t * S + s]);
-}
-
-FX_INLINE void fxa_pv_tile(const int T, float *o, int dv, const float *alpha, int rescale, const float *p,
-                          const char *const *v, const float *const *vs, size_t voff, size_t soff, int r0, int r1,
-                          const int dt)
-{
-    const int S = 12 / T; /* 12 accumulators per strip */
-    int d = 0, t, r;
-    /* strips of S vectors, but never leave a single vector (4 accumulators,
-       latency-bound) behind a full strip: S + 1 left go as strips of 2 */
-    for (; d + 8 * S <= dv && dv - d != 8 * (S + 1); d += 8 * S)
-        fxa_pv_strip(T, S, o, dv, alpha, rescale, p, v, vs, voff, soff, r0, r1, d, dt);
-    for (; d + 16 <= dv; d += 16) fxa_pv_strip(T, 2, o, dv, alpha, rescale, p, v, vs, voff, soff, r0, r1, d, dt);
-    for (; d + 8 <= dv; d += 8) fxa_pv_strip(T, 1, o, dv, alpha, rescale, p, v, vs, voff, soff, r0, r1, d, dt);
-    for (; d < dv; d++)
-        for (t = 0; t < T; t++) {
-            float x = o[(size_t)t * dv + d] * (rescale ? alpha[t] : 1.0f);
-            for (r = r0; r < r1; r++)
-                x += p[t * FX_CS + r] * fxa_ld1(dt, v[r], voff + (size_t)d, FXA_SC(dt, vs, r, soff, d));
-            o[(size_t)t * dv + d] = x;
-        }
-}
 /* Online-softmax step of one query vector over one chunk.  s: its scores
    (base 2) for the chunk's rows, of which only [a, b) are visible (and only
    those need be valid).  Leaves p = 2^((s - m_new) f) on [a, b) and 0
@@ -553,7 +559,7 @@ FX_INLINE void fxa_tile_rows(const float *fa, const float *fb, ptrdiff_t i0, int
    (int8 scales at c->ks[row] + soff0 + h*groups). */
 FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t koff0,
                                size_t soff0, const fxa_rows *c, int r, int r1, const float *qs, float *sc,
-                               const float *fa, const float *fb, const int dt)
+                               const float *fa, const float *fb, const int dt, const int W)
 {
     const int hd = a->head_dim;
     const size_t ng = fx_i8_groups(hd);
@@ -571,10 +577,32 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
             ub = ub < r1 ? ub : r1;
             for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
                 float *s = sc + (size_t)i0 * FX_CS + rr;
-                if (T == 4) fxa_qk_tile(4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
-                else if (T == 2) fxa_qk_tile(2, 6, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
-                else fxa_qk_tile(1, 12, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                if (T == 4) FXA_QK_TILE(W, 4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else if (T == 2) FXA_QK_TILE(W, 2, 6, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else FXA_QK_TILE(W, 1, 12, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
             }
+        }
+    }
+}
+
+/* Phase A on a packed head: scores of the tiles of vectors i1 .. i1+nvg
+   against the transposed K slice kt (FX_KT floats per dimension), for the
+   groups of 3W rows that hold a row the tile sees. */
+FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const float *kt, const float *qs, float *sc,
+                                  const float *fa, const float *fb, const int W)
+{
+    const ptrdiff_t iend = i1 + nvg;
+    ptrdiff_t i0;
+    for (i0 = i1; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
+        const int T = FX_TILE_T(iend - i0);
+        int ua, ub, rr;
+        fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
+        for (rr = ua / (3 * W) * (3 * W); rr < ub; rr += 3 * W) {
+            float *s = sc + (size_t)i0 * FX_CS;
+            const float *q = qs + (size_t)i0 * hd;
+            if (T == 4) FXA_QKT_TILE(W, 4, q, hd, kt, rr, s);
+            else if (T == 2) FXA_QKT_TILE(W, 2, q, hd, kt, rr, s);
+            else FXA_QKT_TILE(W, 1, q, hd, kt, rr, s);
         }
     }
 }
@@ -585,7 +613,7 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
    (int8 scales at c->vs[row] + soff0 + h*groups). */
 FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t voff0, size_t soff0,
                            const fxa_rows *c, int r, int r1, float *acc, const float *sc, const float *al,
-                           const float *fa, const float *fb, const int dt)
+                           const float *fa, const float *fb, const int dt, const int W)
 {
     const int dv = a->v_head_dim;
     const size_t ng = fx_i8_groups(dv);
@@ -612,17 +640,17 @@ FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdif
                 cb = (int)fb[i0 + t] < cb ? (int)fb[i0 + t] : cb;
             }
             if (ca == lo && cb == hi) {
-                if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
-                else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
-                else fxa_pv_tile(1, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                if (T == 4) FXA_PV_TILE(W, 4, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                else if (T == 2) FXA_PV_TILE(W, 2, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                else FXA_PV_TILE(W, 1, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
                 continue;
             }
             /* vectors of different positions see different rows (causal
                edge, window, start): each reads only its own rows (p = 0 on a
                row it does not see would still turn a NaN in V into NaN) */
             if (ca < cb) {
-                if (T == 4) fxa_pv_tile(4, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
-                else if (T == 2) fxa_pv_tile(2, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
+                if (T == 4) FXA_PV_TILE(W, 4, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
+                else if (T == 2) FXA_PV_TILE(W, 2, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
             }
             for (t = 0; t < T; t++) {
                 float *ot = o + (size_t)t * dv;
@@ -630,19 +658,20 @@ FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdif
                 const int a0 = (int)fa[i0 + t] > lo ? (int)fa[i0 + t] : lo;
                 const int b0 = (int)fb[i0 + t] < hi ? (int)fb[i0 + t] : hi;
                 if (ca < cb) {
-                    if (a0 < ca) fxa_pv_tile(1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, a0, ca, dt);
-                    if (cb < b0) fxa_pv_tile(1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, cb, b0, dt);
+                    if (a0 < ca) FXA_PV_TILE(W, 1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, a0, ca, dt);
+                    if (cb < b0) FXA_PV_TILE(W, 1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, cb, b0, dt);
                 } else {
-                    fxa_pv_tile(1, ot, dv, alp + t, first, pt, c->v, c->vs, voff, soff, a0, b0 > a0 ? b0 : a0, dt);
+                    FXA_PV_TILE(W, 1, ot, dv, alp + t, first, pt, c->v, c->vs, voff, soff, a0, b0 > a0 ? b0 : a0, dt);
                 }
             }
         }
     }
 }
 
-/* Copy kv head g's K and V slices of the chunk's n rows, as float32, into
-   contiguous buffers and point pk at them (padding entries repeat the last
-   row); the tiles then read pk as FX_F32. */
+/* One kv head's slice of a row as float32 (fxa_pack_head).  The packed
+   head: K of the chunk's n rows transposed into kt (fxa_phase_scores_t
+   reads it), V as contiguous rows that pk points at (padding entries
+   repeat the last row; the p.V tiles read pk as FX_F32). */
 FX_INLINE void fxa_unpack_slice(float *dst, const char *row, const float *scales, int g, int hd, const int dt)
 {
     const size_t off = (size_t)g * (size_t)hd, soff = (size_t)g * fx_i8_groups(hd);
@@ -655,19 +684,25 @@ FX_INLINE void fxa_unpack_slice(float *dst, const char *row, const float *scales
     for (; d < hd; d++) dst[d] = fxa_ld1(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f);
 }
 
-FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kbuf, float *vbuf, fxa_rows *pk,
-                             const int dt)
+FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kt, float *krow, float *vbuf,
+                             fxa_rows *pk, const int dt)
 {
-    int r;
+    int r, d;
+    /* K transposed (kt[d*FX_KT + r]), rows past n zero */
     for (r = 0; r < n; r++) {
-        fxa_unpack_slice(kbuf + (size_t)r * hd, c->k[r], c->ks[r], g, hd, dt);
+        fxa_unpack_slice(krow, c->k[r], c->ks[r], g, hd, dt);
+        for (d = 0; d < hd; d++) kt[(size_t)d * FX_KT + r] = krow[d];
+    }
+    if (n < FX_KT)
+        for (d = 0; d < hd; d++) memset(kt + (size_t)d * FX_KT + n, 0, (size_t)(FX_KT - n) * sizeof(float));
+    for (r = 0; r < n; r++) {
         fxa_unpack_slice(vbuf + (size_t)r * dv, c->v[r], c->vs[r], g, dv, dt);
-        pk->k[r] = (const char *)(kbuf + (size_t)r * hd);
+        pk->k[r] = NULL;
         pk->v[r] = (const char *)(vbuf + (size_t)r * dv);
         pk->ks[r] = pk->vs[r] = NULL;
     }
     for (r = n; r < FX_CP; r++) {
-        pk->k[r] = pk->k[n - 1];
+        pk->k[r] = NULL;
         pk->v[r] = pk->v[n - 1];
         pk->ks[r] = pk->vs[r] = NULL;
     }
@@ -698,8 +733,9 @@ static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq
 
 /* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
    scaled queries, output accumulators, one chunk of scores, m, l, alpha and
-   the visible row range of each vector; plus one chunk of one head's K and
-   V when they are packed, and one chunk's int8 scales as float. */
+   the visible row range of each vector; plus one chunk of one head's K
+   (transposed, FX_KT rows, and one row) and V when they are packed, and
+   one chunk's int8 scales as float. */
 static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
 {
     ptrdiff_t nq;
@@ -709,7 +745,8 @@ static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
     nvg = (size_t)nq * (size_t)(a->n_heads / a->n_kv_heads);
     nv = nvg * (size_t)nh;
     return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5) +
-           (FX_PACKS(nvg) ? (size_t)FX_C * ((size_t)a->head_dim + (size_t)a->v_head_dim) : 0) + FXA_SCALE_FLOATS(a);
+           (FX_PACKS(nvg) ? (size_t)(FX_KT + 1) * (size_t)a->head_dim + (size_t)FX_C * (size_t)a->v_head_dim : 0) +
+           FXA_SCALE_FLOATS(a);
 }
 
 /* q: (q_len, n_heads, head_dim); out: (q_len, n_heads, v_head_dim), both
@@ -730,11 +767,12 @@ static inline FX_UNUSED size_t fx_attend_scratch_floats(const fx_attn_args *a)
        consecutive rows (4 KiB apart: same L1 sets) are never needed more
        than a row group at a time.
      more (prefill, MQA with G > 32)
-       for kv heads: pack the chunk's K and V slices contiguously, then
-       A, B, C over the whole chunk for every tile of the head (the packed
-       slices stay in L1 across the tiles that reuse them). */
+       for kv heads: pack the chunk's K slice transposed and its V slice
+       contiguously, then A (on the transposed K: no horizontal sums), B, C
+       over the whole chunk for every tile of the head (the packed slices
+       stay in L1 across the tiles that reuse them). */
 FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch,
-                               const int dt)
+                               const int dt, const int W)
 {
     const int H = a->n_heads, Hkv = a->n_kv_heads, G = a->n_heads / a->n_kv_heads;
     const int hd = a->head_dim, dv = a->v_head_dim;
@@ -757,9 +795,9 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
             const ptrdiff_t nvg = nq * G, nv = nvg * nh, p_last = first + t0 + nq - 1;
             float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
             float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
-            float *kbuf = fb + nv, *vbuf = kbuf + (size_t)FX_C * hd;
+            float *kt = fb + nv, *krow = kt + (size_t)FX_KT * hd, *vbuf = krow + hd;
             const int pack = FX_PACKS(nvg);
-            float *sbuf = pack ? vbuf + (size_t)FX_C * dv : kbuf;
+            float *sbuf = pack ? vbuf + (size_t)FX_C * dv : kt;
             ptrdiff_t lo, c0, i, pos;
             int h, jj, d;
 
@@ -798,20 +836,20 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                 if (!pack) {
                     for (r = 0; r < n; r += FX_ATTN_RGA)
                         fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
-                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb, dt);
+                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb, dt, W);
                     for (i = 0; i < nv; i++)
                         fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
                     for (r = 0; r < n; r += FX_ATTN_RGC)
                         fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, (size_t)g0 * ngv, &rows, r,
-                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt);
+                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt, W);
                 } else {
                     for (h = 0; h < nh; h++) {
-                        fxa_pack_head(&rows, n, g0 + h, hd, dv, kbuf, vbuf, &packed, dt);
-                        fxa_phase_scores(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, qs, sc, fa, fb, FX_F32);
+                        fxa_pack_head(&rows, n, g0 + h, hd, dv, kt, krow, vbuf, &packed, dt);
+                        fxa_phase_scores_t(hd, nvg, h * nvg, kt, qs, sc, fa, fb, W);
                         for (i = h * nvg; i < (h + 1) * nvg; i++)
                             fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
                                             al + i, f);
-                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32);
+                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32, W);
                     }
                 }
             }
@@ -833,6 +871,19 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
         }
 }
 
+/* The loop nest for kv->dtype at vector width W; f16: how float16 is read
+   (FXA_F16C or FX_F16). */
+FX_INLINE void fxa_attend_dtype(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch,
+                                const int f16, const int W)
+{
+    switch (kv->dtype) {
+    case FX_F16: fxa_attend_body(kv, a, q, out, scratch, f16, W); break;
+    case FX_BF16: fxa_attend_body(kv, a, q, out, scratch, FX_BF16, W); break;
+    case FX_I8: fxa_attend_body(kv, a, q, out, scratch, FX_I8, W); break;
+    default: fxa_attend_body(kv, a, q, out, scratch, FX_F32, W); break;
+    }
+}
+
 #if FX_ATTN_CLONES && FXA_HAVE_F16C
 /* float16 through F16C: the one instantiation built for x86-64-v3 outside
    the clones (the baseline clone must not contain vcvtph2ps). */
@@ -840,48 +891,86 @@ __attribute__((target("arch=x86-64-v3"))) static FX_UNUSED void fxa_attend_f16c(
                                                                                 const float *q, float *out,
                                                                                 float *scratch)
 {
-    fxa_attend_body(kv, a, q, out, scratch, FXA_F16C);
+    fxa_attend_body(kv, a, q, out, scratch, FXA_F16C, 8);
 }
 #endif
+#if FX_ATTN_CLONES && FXA_HAVE_W16
+/* Every dtype on 16-float vectors, built for x86-64-v4 outside the clones
+   (an x86-64-v4 clone of fx_attend would still run 8-float vectors). */
+__attribute__((target("arch=x86-64-v4"))) static FX_UNUSED void fxa_attend_v4(const fx_kv *kv, const fx_attn_args *a,
+                                                                              const float *q, float *out,
+                                                                              float *scratch)
+{
+    fxa_attend_dtype(kv, a, q, out, scratch, FXA_F16C, 16);
+}
+#endif
+
+/* Widest vectors fx_attend may use (8 or 16): tests and benchmarks lower it
+   to run the x86-64-v3 path on an AVX-512 machine.  Not for use while
+   another thread attends. */
+static int fxa_max_width = 16;
+static inline FX_UNUSED int fx_attend_set_max_width(int w)
+{
+    const int old = __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED);
+    __atomic_store_n(&fxa_max_width, w >= 16 ? 16 : 8, __ATOMIC_RELAXED);
+    return old;
+}
+
+/* Floats per vector fx_attend uses for these head dims on this CPU: 16
+   with AVX-512 when both head dims are multiples of 16, else 8. */
+static inline FX_UNUSED int fx_attend_width(const fx_attn_args *a)
+{
+    if (a->head_dim % 16 != 0 || a->v_head_dim % 16 != 0 || __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED) < 16)
+        return 8;
+#if FX_ATTN_CLONES && FXA_HAVE_W16
+    return fx_cpu_level() >= 4 ? 16 : 8;
+#elif FXA_HAVE_W16
+    return 16;
+#else
+    return 8;
+#endif
+}
 
 FX_CLONES static FX_UNUSED void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out,
                                           float *scratch)
 {
-    switch (kv->dtype) {
-    case FX_F16:
-#if FX_ATTN_CLONES && FXA_HAVE_F16C
-        if (fx_cpu_v3()) fxa_attend_f16c(kv, a, q, out, scratch);
-        else fxa_attend_body(kv, a, q, out, scratch, FX_F16);
-#elif FXA_HAVE_F16C
-        fxa_attend_body(kv, a, q, out, scratch, FXA_F16C);
-#else
-        fxa_attend_body(kv, a, q, out, scratch, FX_F16);
-#endif
-        break;
-    case FX_BF16: fxa_attend_body(kv, a, q, out, scratch, FX_BF16); break;
-    case FX_I8: fxa_attend_body(kv, a, q, out, scratch, FX_I8); break;
-    default: fxa_attend_body(kv, a, q, out, scratch, FX_F32); break;
+#if FX_ATTN_CLONES
+#if FXA_HAVE_W16
+    if (fx_attend_width(a) == 16) {
+        fxa_attend_v4(kv, a, q, out, scratch);
+        return;
     }
+#endif
+#if FXA_HAVE_F16C
+    if (kv->dtype == FX_F16 && fx_cpu_v3()) {
+        fxa_attend_f16c(kv, a, q, out, scratch);
+        return;
+    }
+#endif
+    fxa_attend_dtype(kv, a, q, out, scratch, FX_F16, 8);
+#else /* one build: what the compiler targets */
+    const int f16 = FXA_HAVE_F16C ? FXA_F16C : FX_F16;
+    if (fx_attend_width(a) == 16) fxa_attend_dtype(kv, a, q, out, scratch, f16, 16);
+    else fxa_attend_dtype(kv, a, q, out, scratch, f16, 8);
+#endif
 }
 
-/* Which code path fx_attend runs on this CPU.  With clones: the libgcc
-   feature bit the ifunc resolver tests (__builtin_cpu_supports("x86-64-v3")
-   compiles to the same test of __cpu_features2); otherwise what the
+/* Which code path fx_attend runs on this CPU (for head dims that are
+   multiples of 16; others run the 8-float path below it).  With clones:
+   the libgcc feature bits the ifunc resolver tests; otherwise what the
    compiler was told to target. */
 static inline FX_UNUSED const char *fx_attend_simd_path(void)
 {
 #if !defined(FX_VECEXT)
     return "scalar C (no vector extensions)";
 #elif FX_ATTN_CLONES
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3 (AVX2+FMA)";
-#if defined(__AVX2__) && defined(__FMA__)
-    return "x86-64-v3 (AVX2+FMA, compile-time)";
-#else
+    const int level = fx_cpu_level();
+    if (level >= 4 && __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED) >= 16)
+        return "x86-64-v4 (AVX-512, 16-float vectors)";
+    if (level >= 3) return "x86-64-v3 (AVX2+FMA)";
     return "baseline (SSE2)";
-#endif
-#elif defined(__AVX512F__)
-    return "x86-64 AVX-512 (compile-time)";
+#elif FXA_HAVE_W16
+    return "x86-64 AVX-512 (16-float vectors, compile-time)";
 #elif defined(__AVX2__) && defined(__FMA__)
     return "x86-64-v3 (AVX2+FMA, compile-time)";
 #elif defined(__SSE2__)

@@ -78,15 +78,17 @@ typedef float fx_v8fu __attribute__((vector_size(32), aligned(4), may_alias));
 #define FX_HAVE_F16C 0
 #endif
 
-/* 1 when this CPU runs the x86-64-v3 clones (the test the ifunc resolver makes). */
-static inline FX_CONV_UNUSED int fx_cpu_v3(void)
+/* The x86-64 level this CPU runs: 4 with AVX-512 (x86-64-v4), 3 with
+   AVX2+FMA (the x86-64-v3 clones; the test the ifunc resolver makes), else
+   0; 0 without clones. */
+static inline FX_CONV_UNUSED int fx_cpu_level(void)
 {
 #if FX_ATTN_CLONES
     static int v = -1;
     int x = __atomic_load_n(&v, __ATOMIC_RELAXED);
     if (x < 0) {
         __builtin_cpu_init();
-        x = __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
+        x = __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
         __atomic_store_n(&v, x, __ATOMIC_RELAXED);
     }
     return x;
@@ -94,6 +96,7 @@ static inline FX_CONV_UNUSED int fx_cpu_v3(void)
     return 0;
 #endif
 }
+static inline FX_CONV_UNUSED int fx_cpu_v3(void) { return fx_cpu_level() >= 3; }
 
 /* float16 scale groups per head, and bytes per stored row. */
 static inline FX_CONV_UNUSED size_t fx_i8_groups(int head_dim) { return ((size_t)head_dim + FX_I8_GROUP - 1) / FX_I8_GROUP; }

@@ -21,6 +21,15 @@ def _set_constant_hash(bint on):
     return bool(old)
 
 
+def _set_attend_max_width(int width):
+    """Widest vectors attention may use, 8 or 16 floats (8 runs the
+    x86-64-v3 path on an AVX-512 CPU); returns the old width. Call it while
+    no other thread attends."""
+    if width not in (8, 16):
+        raise ValueError(f"width must be 8 or 16, got {width}")
+    return fx_attend_set_max_width(width)
+
+
 def _take_give_loop(KvBlockPool pool not None, Py_ssize_t iters, Py_ssize_t batch):
     """Take and give back ``batch`` blocks ``iters`` times, in C, without the
     GIL. Returns how many takes were refused (pool benchmark)."""

@@ -386,7 +386,67 @@ def test_a_scale_beyond_the_float_range_is_a_value_error():
 
 
 def test_the_simd_path_is_named():
-    assert _core.simd_path() in ("x86-64-v3 (AVX2+FMA)", "baseline (SSE2)") or _core.simd_path()
+    assert _core.simd_path() in ("x86-64-v4 (AVX-512, 16-float vectors)", "x86-64-v3 (AVX2+FMA)",
+                                 "baseline (SSE2)") or _core.simd_path()
+
+
+@pytest.fixture(params=[8, 16], ids=["8-float", "16-float"])
+def attend_width(request):
+    """Attention at most this wide (16 runs only where the CPU has AVX-512)."""
+    old = _core._set_attend_max_width(request.param)
+    yield request.param
+    _core._set_attend_max_width(old)
+
+
+def _cpu_has_avx512():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512bw " in f.read()
+    except OSError:
+        return False
+
+
+def test_the_width_hook_names_the_path_and_refuses_other_widths():
+    old = _core._set_attend_max_width(8)
+    try:
+        assert "16-float" not in _core.simd_path()
+        _core._set_attend_max_width(16)
+        assert ("16-float" in _core.simd_path()) == (_cpu_has_avx512() and "x86-64" in _core.simd_path())
+        for bad in (0, 4, 12, 32):
+            with pytest.raises(ValueError, match="width must be 8 or 16"):
+                _core._set_attend_max_width(bad)
+        assert "16-float" not in _core.simd_path() or _core._set_attend_max_width(16) == 16
+    finally:
+        _core._set_attend_max_width(old)
+
+
+# decode (G = 4, 1 query head per kv head, MQA), short chunks, and chunks of
+# more than 32 query vectors per kv head (the packed path with K transposed),
+# over head dims that are multiples of 16 (the 16-float path) and not (80 is,
+# 72 and 20 are not: the 8-float path on any CPU)
+@pytest.mark.parametrize("h,nh,d,vd,t,q_len,window,bs", [
+    (8, 32, 128, 128, 300, 1, None, 16),
+    (4, 4, 96, 96, 90, 1, 13, 1),
+    (1, 8, 64, 64, 77, 3, None, 7),
+    (2, 8, 64, 64, 200, 40, None, 7),
+    (1, 32, 128, 128, 130, 17, 50, 16),
+    (2, 16, 80, 80, 101, 49, 30, 32),
+    (2, 8, 72, 72, 60, 33, None, 16),
+    (1, 4, 20, 12, 40, 12, 5, 3),
+])
+@each_dtype
+def test_both_vector_widths_match_the_reference(attend_width, h, nh, d, vd, t, q_len, window, bs, dtype):
+    k, v = _data(t, h, d, vd, seed=t)
+    c = _cache("pooled-shuffled", h, d, vd, t, bs, dtype=dtype)
+    c.extend(k, v)
+    q = np.random.default_rng(t).standard_normal((q_len, nh, d)).astype(np.float32)
+    ref = reference(_st(k, dtype), _st(v, dtype), q, window=window)
+    _check(c.attend(q, window=window), ref)
+    other = _cache("growable", h, d, vd, t, dtype=dtype)
+    other.extend(k[: t - 5], v[: t - 5])
+    both = attend_many([c, other], np.stack([q[-1:], q[:1]]), window=window)
+    _check(both[0, 0], ref[-1])
+    _check(both[1, 0], reference(_st(k[: t - 5], dtype), _st(v[: t - 5], dtype), q[:1], window=window)[0])
 
 
 @settings(max_examples=60, deadline=None)

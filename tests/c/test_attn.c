@@ -342,13 +342,24 @@ int main(void)
     char what[256];
     size_t gi, di, bi, li;
     tcase tc;
-    int dt, sub;
+    int dt, sub, w16, wpass;
 
     printf("simd path: %s; %s, %s, %s, %s\n", fx_attend_simd_path(), fx_attend_load_path(FX_F32),
            fx_attend_load_path(FX_F16), fx_attend_load_path(FX_BF16), fx_attend_load_path(FX_I8));
     exp_test();
     n_fail += conv_tests();
 
+    /* where the CPU runs 16-float vectors, every case runs at both widths */
+    memset(&tc, 0, sizeof tc);
+    {
+        fx_attn_args probe;
+        memset(&probe, 0, sizeof probe);
+        probe.head_dim = probe.v_head_dim = 16;
+        w16 = fx_attend_width(&probe) == 16;
+    }
+    for (wpass = 0; wpass <= w16; wpass++) {
+    fx_attend_set_max_width(wpass ? 8 : 16);
+    printf("%d-float vectors where head dims allow\n", w16 && !wpass ? 16 : 8);
     for (dt = FX_F32; dt <= FX_I8; dt++) {
     /* float32: every combination; the other dtypes: every third (each value of each axis still occurs) */
     sub = dt == FX_F32 ? 1 : 3;
@@ -436,6 +447,7 @@ int main(void)
     /* SDPA's numeric rules */
     special_cases(dt, 0);
     special_cases(dt, 16);
+    }
     }
 
     printf("large-magnitude cases: worst err/A %.3g\n", worst_large);
