@@ -9,6 +9,8 @@ Rows (slug: what, ratio of):
   precision.attend_floor.<dt>  decode attend, of its own read floor (the stored bytes read once)
   precision.extend.<dt>        extend(512) from float32, of a C conversion floor over the same rows
   precision.chunk.<dt>         causal chunk q_len 256 over 2048, of SDPA with a causal mask
+  precision.attend_w16.<dt>    (AVX-512 CPUs) decode attend on 16-float vectors, of the
+  precision.chunk_w16.<dt>     8-float (x86-64-v3) path on the same data; the chunk likewise
   precision.hf_bf16            bf16 model per token: FerroxCache(dtype="auto") + ferrox
                                attention, of DynamicCache + SDPA in bf16
   precision.hf_bf16_attn       the same, each minus the per-token floor at a 16-position
@@ -30,6 +32,7 @@ def bench_precision(res, quick=False, reps=5, torch=None):
     reps = 2 if quick else reps
     rng = np.random.default_rng(14)
     g = "precision"
+    wide = _wide()
 
     # -- bytes and fit -------------------------------------------------------------
     per_pos = {}
@@ -64,6 +67,9 @@ def bench_precision(res, quick=False, reps=5, torch=None):
         for dt, c in caches.items():
             variants.append((dt, lambda: None, lambda _, c=c: [c.attend(q, out=out) for _ in range(n)]))
             variants.append((f"floor.{dt}", lambda: None, lambda _, c=c: _core._read_floor([c], n)))
+            if wide:
+                variants.append((f"w8.{dt}", lambda: None, lambda _, c=c: _at_width(
+                    8, lambda: [c.attend(q, out=out) for _ in range(n)])))
         best = best_of(variants, reps)
         us = {k: v / n * 1e6 for k, v in best.items()}
         exact = caches["float32"].attend(q)
@@ -71,10 +77,14 @@ def bench_precision(res, quick=False, reps=5, torch=None):
             err = float(np.abs(caches[dt].attend(q) - exact).max())
             res.add(g, GEO, f"precision.attend.{dt}", f"{dt}: decode attend @ {T}", us[dt],
                     "us/call", us[dt] / us["float32"], "float32 attend", context=T, dtype=dt,
-                    max_abs_err=err)
+                    max_abs_err=err, simd_width=16 if wide else 8)
             res.add(g, GEO, f"precision.attend_floor.{dt}", f"{dt}: decode attend @ {T} vs its read floor",
                     us[dt], "us/call", us[dt] / us[f"floor.{dt}"], "own read floor", context=T,
                     dtype=dt, floor_us=us[f"floor.{dt}"])
+            if wide:
+                res.add(g, GEO, f"precision.attend_w16.{dt}",
+                        f"{dt}: decode attend @ {T}, 16-float vs 8-float path", us[dt], "us/call",
+                        us[dt] / us[f"w8.{dt}"], "8-float (x86-64-v3) path", context=T, dtype=dt)
 
     # -- extend(512) from float32: conversion in the copy loop vs a C floor -----
     t = 512
@@ -124,10 +134,16 @@ def bench_precision(res, quick=False, reps=5, torch=None):
                 ("attend", lambda: None, lambda _, c=c: c.attend(Q)),
                 ("sdpa", lambda: None, lambda _: F.scaled_dot_product_attention(
                     qt, kt, vt, attn_mask=mask, enable_gqa=True)),
-            ], reps)
+            ] + ([("w8", lambda: None, lambda _, c=c: _at_width(8, lambda: c.attend(Q)))] if wide else []),
+                reps)
             res.add(g, GEO, f"precision.chunk.{dt}", f"{dt}: causal chunk {ql} over {T}",
                     best["attend"] * 1e6, "us/call", best["attend"] / best["sdpa"],
                     "SDPA causal", dtype=dt)
+            if wide:
+                res.add(g, GEO, f"precision.chunk_w16.{dt}",
+                        f"{dt}: causal chunk {ql} over {T}, 16-float vs 8-float path",
+                        best["attend"] * 1e6, "us/call", best["attend"] / best["w8"],
+                        "8-float (x86-64-v3) path", dtype=dt)
     return res
 
 
@@ -192,9 +208,26 @@ def run(r):
             bench_hf_bf16(r.res, [2048] if r.quick else [2048, 8192], r.quick)
 
 
-# AVX2 goals: with 4 query heads per KV head the FMAs per stored value keep a
-# core near what it reads at float32 (see benchmarks/NOTES.md, "Precision")
-_ATTEND_GOAL = {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7}
+# The issue's goals for decode attend vs float32: on the 16-float (AVX-512)
+# path, and on AVX2 alone, where with 4 query heads per KV head the FMAs per
+# stored value keep a core near what it reads at float32 (benchmarks/NOTES.md,
+# "Precision")
+_ATTEND_GOAL_W16 = {"float16": 0.6, "bfloat16": 0.6, "int8": 0.45}
+_ATTEND_GOAL_AVX2 = {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7}
+
+
+def _wide():
+    """True where attention runs 16-float vectors (an AVX-512 CPU)."""
+    return "16-float" in _core.simd_path()
+
+
+def _at_width(width, fn):
+    """fn() run with attention at most ``width`` floats wide."""
+    old = _core._set_attend_max_width(width)
+    try:
+        return fn()
+    finally:
+        _core._set_attend_max_width(old)
 
 
 def targets(res):
@@ -210,8 +243,10 @@ def targets(res):
                   "precision.fit.bfloat16", ">=", 2.0, where={"dtype": "bfloat16"}),
            Target("2048 x 32-layer sequences in 1 GiB, int8 vs float32", "precision.fit.int8",
                   ">=", 3.7, where={"dtype": "int8"})]
-    for dt, goal in _ATTEND_GOAL.items():
-        out.append(Target(f"decode attend @ 8192, {dt} vs float32 (AVX2 goal)",
+    row = res.find("precision.attend.float32")
+    wide = row is not None and row.get("simd_width") == 16
+    for dt, goal in (_ATTEND_GOAL_W16 if wide else _ATTEND_GOAL_AVX2).items():
+        out.append(Target(f"decode attend @ 8192, {dt} vs float32 ({'AVX-512' if wide else 'AVX2'} goal)",
                           f"precision.attend.{dt}", "<=", goal, where={"dtype": dt, "context": 8192}))
     for dt in DTYPES:
         out.append(Target(f"decode attend @ 8192, {dt} vs its read floor",
