@@ -372,3 +372,17 @@ def test_plot_without_matplotlib_refuses_before_any_group_runs(tmp_path):
     assert "--plot needs matplotlib" in p.stderr and "pip install 'ferrox_kv[plot]'" in p.stderr
     assert "[bench" not in p.stderr                 # no group started
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("width,goals", [(8, {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7}),
+                                         (16, {"float16": 0.6, "bfloat16": 0.6, "int8": 0.45})])
+def test_the_precision_attend_goals_follow_the_width_the_rows_ran_at(width, goals):
+    from ferrox_kv.bench.groups.precision import targets
+    res = Results()
+    for dt in ("float32", "float16", "bfloat16", "int8"):
+        res.add("precision", "llama8b", f"precision.attend.{dt}", "a", 1.0, "us/call", 1.0,
+                "float32", dtype=dt, context=8192, simd_width=width)
+    got = {t.where["dtype"]: t.goal for t in targets(res) if t.slug.startswith("precision.attend.")}
+    assert got == goals
+    assert all(("AVX-512" in t.label) == (width == 16) for t in targets(res)
+               if t.slug.startswith("precision.attend."))
