@@ -909,18 +909,20 @@ __attribute__((target("arch=x86-64-v4"))) static FX_UNUSED void fxa_attend_v4(co
    to run the x86-64-v3 path on an AVX-512 machine.  Not for use while
    another thread attends. */
 static int fxa_max_width = 16;
-static inline FX_UNUSED int fx_attend_set_max_width(int w)
-{
-    const int old = __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED);
-    __atomic_store_n(&fxa_max_width, w >= 16 ? 16 : 8, __ATOMIC_RELAXED);
-    return old;
-}
+#if defined(__GNUC__) || defined(__clang__)
+#define FXA_MAX_WIDTH() __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED)
+#define FXA_SWAP_MAX_WIDTH(w) __atomic_exchange_n(&fxa_max_width, (w), __ATOMIC_RELAXED)
+#else
+#define FXA_MAX_WIDTH() (*(volatile int *)&fxa_max_width)
+static inline int FXA_SWAP_MAX_WIDTH(int w) { const int old = FXA_MAX_WIDTH(); fxa_max_width = w; return old; }
+#endif
+static inline FX_UNUSED int fx_attend_set_max_width(int w) { return FXA_SWAP_MAX_WIDTH(w >= 16 ? 16 : 8); }
 
 /* Floats per vector fx_attend uses for these head dims on this CPU: 16
    with AVX-512 when both head dims are multiples of 16, else 8. */
 static inline FX_UNUSED int fx_attend_width(const fx_attn_args *a)
 {
-    if (a->head_dim % 16 != 0 || a->v_head_dim % 16 != 0 || __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED) < 16)
+    if (a->head_dim % 16 != 0 || a->v_head_dim % 16 != 0 || FXA_MAX_WIDTH() < 16)
         return 8;
 #if FX_ATTN_CLONES && FXA_HAVE_W16
     return fx_cpu_level() >= 4 ? 16 : 8;
@@ -965,12 +967,12 @@ static inline FX_UNUSED const char *fx_attend_simd_path(void)
     return "scalar C (no vector extensions)";
 #elif FX_ATTN_CLONES
     const int level = fx_cpu_level();
-    if (level >= 4 && __atomic_load_n(&fxa_max_width, __ATOMIC_RELAXED) >= 16)
-        return "x86-64-v4 (AVX-512, 16-float vectors)";
+    if (FXA_HAVE_W16 && level >= 4 && FXA_MAX_WIDTH() >= 16) return "x86-64-v4 (AVX-512, 16-float vectors)";
     if (level >= 3) return "x86-64-v3 (AVX2+FMA)";
     return "baseline (SSE2)";
 #elif FXA_HAVE_W16
-    return "x86-64 AVX-512 (16-float vectors, compile-time)";
+    if (FXA_MAX_WIDTH() >= 16) return "x86-64 AVX-512 (16-float vectors, compile-time)";
+    return "x86-64 AVX-512 (8-float vectors, compile-time)";
 #elif defined(__AVX2__) && defined(__FMA__)
     return "x86-64-v3 (AVX2+FMA, compile-time)";
 #elif defined(__SSE2__)

@@ -411,7 +411,10 @@ def test_the_width_hook_names_the_path_and_refuses_other_widths():
     try:
         assert "16-float" not in _core.simd_path()
         _core._set_attend_max_width(16)
-        assert ("16-float" in _core.simd_path()) == (_cpu_has_avx512() and "x86-64" in _core.simd_path())
+        compiler = _core.build_info()["compiler"].split()
+        builds_w16 = compiler[0] == "clang" or (compiler[0] == "gcc" and int(compiler[1].split(".")[0]) >= 12)
+        assert ("16-float" in _core.simd_path()) == (_cpu_has_avx512() and builds_w16
+                                                      and "x86-64" in _core.simd_path())
         for bad in (0, 4, 12, 32):
             with pytest.raises(ValueError, match="width must be 8 or 16"):
                 _core._set_attend_max_width(bad)
