@@ -182,13 +182,15 @@ typedef int32_t fxa_v4i __attribute__((vector_size(16)));
     const fxa_v8 i_ = fxa_splat((float)(base)) + (fxa_v8){0, 1, 2, 3, 4, 5, 6, 7};               \
     const fxa_v8i k_ = (i_ >= fxa_splat((float)(lo))) & (i_ < fxa_splat((float)(hi)));          \
     (fxa_v8)(((fxa_v8i)(v) & k_) | ((fxa_v8i)fxa_splat(FX_NEG_INF) & ~k_)); })
-/* 4-lane vector: low half + high half */
-#define fxa_fold(v) __extension__({                                     \
-    const fxa_v8 v_ = (v);                                               \
-    fxa_v4 lo_, hi_;                                                     \
+/* v (of vector type T) folded to its half type H: low half + high half,
+   the same lane sums */
+#define FX_FOLD(T, H, v) __extension__({                                \
+    const T v_ = (v);                                                    \
+    H lo_, hi_;                                                          \
     memcpy(&lo_, &v_, sizeof lo_);                                      \
     memcpy(&hi_, (const char *)&v_ + sizeof lo_, sizeof hi_);           \
     lo_ + hi_; })
+#define fxa_fold(v) FX_FOLD(fxa_v8, fxa_v4, v)
 #define fxa_hsum(v) __extension__({                                     \
     fxa_v4 s_ = fxa_fold(v);                                              \
     s_ += FX_SHUF4(s_, s_, 2, 3, 0, 1);                                 \
@@ -277,8 +279,8 @@ typedef short fxa_v8s __attribute__((vector_size(16), aligned(1), may_alias));
 
 /* 16-float vectors: AVX-512, built only into the x86-64-v4 instantiation
    (fxa_attend_v4) or a build for AVX-512.  Loads as above, 16 values; the
-   float16 ones join two 8-value conversions.  fxa16_fold8: the low half
-   plus the high half (same lane sums). */
+   float16 ones join two 8-value conversions.  fxa16_fold8: to 8 lanes,
+   the same lane sums. */
 #if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12) && (FX_ATTN_CLONES || defined(__AVX512F__))
 #define FXA_HAVE_W16 1
 typedef float fxa_v16 __attribute__((vector_size(64)));
@@ -292,12 +294,7 @@ typedef int8_t fxa_v16b __attribute__((vector_size(16), aligned(1), may_alias));
 #define fxa16_splat(x) __extension__({                                                           \
     const float x16_ = (x);                                                                       \
     (fxa_v16){x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_}; })
-#define fxa16_fold8(v) __extension__({                                  \
-    const fxa_v16 v16_ = (v);                                            \
-    fxa_v8 lo8_, hi8_;                                                   \
-    memcpy(&lo8_, &v16_, sizeof lo8_);                                  \
-    memcpy(&hi8_, (const char *)&v16_ + sizeof lo8_, sizeof hi8_);      \
-    lo8_ + hi8_; })
+#define fxa16_fold8(v) FX_FOLD(fxa_v16, fxa_v8, v)
 #define FX_JOIN16(lo, hi) __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define fxa16_load_f32(p) fxa16_load(p)
 #define fxa16_load_bf16(p) ((fxa_v16)(__builtin_convertvector(*(const fxa_v16h *)(const void *)(p), fxa_v16i) << 16))
@@ -596,10 +593,10 @@ FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const flo
     for (i0 = i1; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
         const int T = FX_TILE_T(iend - i0);
         int ua, ub, rr;
+        float *s = sc + (size_t)i0 * FX_CS;
+        const float *q = qs + (size_t)i0 * hd;
         fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
         for (rr = ua / (3 * W) * (3 * W); rr < ub; rr += 3 * W) {
-            float *s = sc + (size_t)i0 * FX_CS;
-            const float *q = qs + (size_t)i0 * hd;
             if (T == 4) FXA_QKT_TILE(W, 4, q, hd, kt, rr, s);
             else if (T == 2) FXA_QKT_TILE(W, 2, q, hd, kt, rr, s);
             else FXA_QKT_TILE(W, 1, q, hd, kt, rr, s);

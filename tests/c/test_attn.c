@@ -350,7 +350,6 @@ int main(void)
     n_fail += conv_tests();
 
     /* where the CPU runs 16-float vectors, every case runs at both widths */
-    memset(&tc, 0, sizeof tc);
     {
         fx_attn_args probe;
         memset(&probe, 0, sizeof probe);
