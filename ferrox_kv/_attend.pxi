@@ -3,34 +3,6 @@
 # table), with the kernel of _attn.h. No gather, nothing of context size is
 # allocated, the GIL is released for the whole call when the context pays.
 
-cdef extern from "_attn.h" nogil:
-    ctypedef struct fx_kv:
-        const void* k
-        const void* v
-        const int32_t* table
-        Py_ssize_t block_size
-        size_t k_block            # bytes
-        size_t v_block
-        size_t k_row              # bytes
-        size_t v_row
-        Py_ssize_t len
-        int dtype
-    ctypedef struct fx_attn_args:
-        int n_kv_heads
-        int head_dim
-        int v_head_dim
-        int n_heads
-        Py_ssize_t q_len
-        float scale
-        Py_ssize_t window
-        Py_ssize_t start
-    size_t fx_attend_scratch_floats(const fx_attn_args* a)
-    void fx_attend(const fx_kv* kv, const fx_attn_args* a, const float* q, float* out,
-                   float* scratch)
-    const char* fx_attend_simd_path()
-    const char* fx_attend_load_path(int dtype)
-    int fx_attend_set_max_width(int w)
-
 from libc.math cimport sqrt
 
 # Attention over at least this many context bytes (K and V rows read, all

@@ -1,6 +1,6 @@
-/* _conv.h -- the storage dtypes of K/V rows and the loops that convert rows
- * between them.  Header-only, every symbol static; included by _fx.h and
- * _attn.h.
+/* _conv.h -- the storage dtypes of K/V rows, one row's conversions
+ * (inline), and the row loops of _conv.c that convert many rows.  Pure C:
+ * the ISA layer (_simd.h) builds on it, not the other way round.
  *
  * A row holds n_heads * head_dim values, kv head g at value offset
  * g*head_dim:
@@ -20,11 +20,11 @@
  * unaligned accesses.  Same-dtype copies are memcpy of row bytes.
  *
  * One loop per job: fx_row_from_f32 / fx_row_to_f32 / fx_row_from_half are
- * always_inline and instantiated with the dtype a constant by the outer
- * functions, which alone carry the target_clones dispatch.  float16 stores
+ * always_inline and instantiated with the dtype a constant by the row loops
+ * of _conv.c, which alone carry the target_clones dispatch.  float16 stores
  * from float32 go through F16C's vcvtps2ph where the CPU runs the v3 clone
- * (fx_rows_from_f32_f16c; its rounding is fx_f32_to_f16's, bit for bit);
- * the int8 group loops are branch-free so that every clone vectorises them.
+ * (its rounding is fx_f32_to_f16's, bit for bit); the int8 group loops are
+ * branch-free so that every clone vectorises them.
  */
 #ifndef FX_CONV_H
 #define FX_CONV_H
@@ -37,70 +37,27 @@ enum { FX_F32 = 0, FX_F16 = 1, FX_BF16 = 2, FX_I8 = 3 };
 
 #define FX_I8_GROUP 32
 
-/* target_clones needs ifunc (glibc) and gcc >= 11 for the arch=x86-64-vN
-   names.  Only outer functions carry it; every helper they call is inline. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 \
-    && defined(__GLIBC__) && !defined(FX_ATTN_NO_CLONES)
-#define FX_ATTN_CLONES 1
-#define FX_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define FX_ATTN_CLONES 0
-#define FX_CLONES
-#endif
-
+/* Compiler plumbing shared by every ferrox_kv C file. */
 #if defined(__GNUC__) || defined(__clang__)
-#define FX_CONV_UNUSED __attribute__((unused))
-#define FX_CONV_INLINE static inline __attribute__((always_inline))
+#define FX_INLINE static inline __attribute__((always_inline))
+#define FX_UNUSED __attribute__((unused))
+#define FX_API __attribute__((visibility("hidden"))) /* across this extension's objects only */
+#elif defined(_MSC_VER)
+#define FX_INLINE static __forceinline
+#define FX_UNUSED
+#define FX_API
 #else
-#define FX_CONV_UNUSED
-#define FX_CONV_INLINE static inline
+#define FX_INLINE static inline
+#define FX_UNUSED
+#define FX_API
 #endif
 
-/* F16C (vcvtps2ph) for float32 -> float16 stores: only in code built for
-   x86-64-v3 (the builtin is checked where it is expanded, so it may sit in
-   an always_inline helper the baseline clone also inlines, as long as only
-   code built for x86-64-v3 reaches it).  FX_F16C: the float16 dtype read
-   through F16C by the attention kernel, never stored in a cache. */
+/* The float16 dtype read through F16C by the attention kernel; never stored. */
 #define FX_F16C 4
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) \
-    && (FX_ATTN_CLONES || (defined(__F16C__) && defined(__AVX__)))
-#define FX_HAVE_F16C 1
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi" /* the F16C builtins take and return vectors */
-#endif
-typedef short fx_v8s __attribute__((vector_size(16), aligned(1), may_alias));
-typedef float fx_v8fu __attribute__((vector_size(32), aligned(4), may_alias));
-/* 8 float32 at src -> 8 float16 at dst, round to nearest even */
-#define fx_st8_f16c(dst, src) \
-    ((void)(*(fx_v8s *)(void *)(dst) = __builtin_ia32_vcvtps2ph256(*(const fx_v8fu *)(const void *)(src), 0)))
-#else
-#define FX_HAVE_F16C 0
-#endif
-
-/* The x86-64 level this CPU runs: 4 with AVX-512 (x86-64-v4), 3 with
-   AVX2+FMA (the x86-64-v3 clones; the test the ifunc resolver makes), else
-   0; 0 without clones. */
-static inline FX_CONV_UNUSED int fx_cpu_level(void)
-{
-#if FX_ATTN_CLONES
-    static int v = -1;
-    int x = __atomic_load_n(&v, __ATOMIC_RELAXED);
-    if (x < 0) {
-        __builtin_cpu_init();
-        x = __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
-        __atomic_store_n(&v, x, __ATOMIC_RELAXED);
-    }
-    return x;
-#else
-    return 0;
-#endif
-}
-static inline FX_CONV_UNUSED int fx_cpu_v3(void) { return fx_cpu_level() >= 3; }
 
 /* float16 scale groups per head, and bytes per stored row. */
-static inline FX_CONV_UNUSED size_t fx_i8_groups(int head_dim) { return ((size_t)head_dim + FX_I8_GROUP - 1) / FX_I8_GROUP; }
-static inline FX_CONV_UNUSED size_t fx_row_bytes(int n_heads, int head_dim, int dtype)
+static inline FX_UNUSED size_t fx_i8_groups(int head_dim) { return ((size_t)head_dim + FX_I8_GROUP - 1) / FX_I8_GROUP; }
+static inline FX_UNUSED size_t fx_row_bytes(int n_heads, int head_dim, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     switch (dtype) {
@@ -156,7 +113,7 @@ static inline uint16_t fx_f32_to_bf16(float f)
    pattern (for |x| the integer order is the float order, and a NaN or an
    inf is >= 0x7f800000); rounding to nearest even adds and subtracts
    1.5 * 2^23 with x's sign (|x / s| <= 127 < 2^22). */
-FX_CONV_INLINE void fx_q8_group(const float *x, int n, int8_t *q, uint16_t *scale)
+FX_INLINE void fx_q8_group(const float *x, int n, int8_t *q, uint16_t *scale)
 {
     float t[FX_I8_GROUP], sf;
     int8_t qt[FX_I8_GROUP];
@@ -190,7 +147,7 @@ FX_CONV_INLINE void fx_q8_group(const float *x, int n, int8_t *q, uint16_t *scal
 }
 
 /* One stored row of each dtype from / to float32 (n_heads * head_dim values). */
-FX_CONV_INLINE void fx_row_from_f32(char *dst, const float *src, int n_heads, int head_dim, int dtype)
+FX_INLINE void fx_row_from_f32(char *dst, const float *src, int n_heads, int head_dim, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     size_t i;
@@ -213,7 +170,7 @@ FX_CONV_INLINE void fx_row_from_f32(char *dst, const float *src, int n_heads, in
     }
 }
 
-FX_CONV_INLINE void fx_row_to_f32(float *dst, const char *src, int n_heads, int head_dim, int dtype)
+FX_INLINE void fx_row_to_f32(float *dst, const char *src, int n_heads, int head_dim, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     size_t i;
@@ -234,86 +191,9 @@ FX_CONV_INLINE void fx_row_to_f32(float *dst, const char *src, int n_heads, int 
     }
 }
 
-#if FX_HAVE_F16C
-/* One float16 row of n values from float32 through F16C (code built for
-   x86-64-v3 only); the tail rounds as vcvtps2ph does. */
-FX_CONV_INLINE void fx_row_f16c_from_f32(char *dst, const float *src, size_t n)
-{
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) fx_st8_f16c(dst + 2 * i, src + i);
-    for (; i < n; i++) fx_st16(dst + 2 * i, fx_f32_to_f16(src[i]));
-}
-#endif
-
-#define FX_ROWS_FROM(DT)                                                                                         \
-    for (r = 0; r < n_rows; r++)                                                                                 \
-        fx_row_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats, n_heads, head_dim, DT); \
-    break;
-#if FX_ATTN_CLONES && FX_HAVE_F16C
-/* float16 stores through F16C: the one instantiation built for x86-64-v3
-   outside the clones (the baseline clone must not contain vcvtps2ph). */
-__attribute__((target("arch=x86-64-v3"))) static FX_CONV_UNUSED void
-fx_rows_from_f32_f16c(void *dst, size_t dst_row, const float *src, size_t src_row_floats, ptrdiff_t n_rows, int n_heads,
-                      int head_dim)
-{
-    ptrdiff_t r;
-    for (r = 0; r < n_rows; r++)
-        fx_row_f16c_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats,
-                             (size_t)n_heads * (size_t)head_dim);
-}
-#endif
-
-/* n_rows float32 rows (src_row_floats apart) -> stored rows of dtype
-   (dst_row bytes apart). */
-FX_CLONES static FX_CONV_UNUSED void fx_rows_from_f32(void *dst, size_t dst_row, const float *src, size_t src_row_floats,
-                                                      ptrdiff_t n_rows, int n_heads, int head_dim, int dtype)
-{
-    ptrdiff_t r;
-    switch (dtype) {
-    case FX_F32: FX_ROWS_FROM(FX_F32)
-    case FX_F16:
-#if FX_ATTN_CLONES && FX_HAVE_F16C
-        if (fx_cpu_v3()) {
-            fx_rows_from_f32_f16c(dst, dst_row, src, src_row_floats, n_rows, n_heads, head_dim);
-            break;
-        }
-        FX_ROWS_FROM(FX_F16)
-#elif FX_HAVE_F16C
-        for (r = 0; r < n_rows; r++)
-            fx_row_f16c_from_f32((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_floats,
-                                 (size_t)n_heads * (size_t)head_dim);
-        break;
-#else
-        FX_ROWS_FROM(FX_F16)
-#endif
-    case FX_BF16: FX_ROWS_FROM(FX_BF16)
-    case FX_I8: FX_ROWS_FROM(FX_I8)
-    }
-}
-#undef FX_ROWS_FROM
-
-/* n_rows stored rows of dtype (src_row bytes apart) -> float32 rows
-   (dst_row_floats apart). */
-FX_CLONES static FX_CONV_UNUSED void fx_rows_to_f32(float *dst, size_t dst_row_floats, const void *src, size_t src_row,
-                                                    ptrdiff_t n_rows, int n_heads, int head_dim, int dtype)
-{
-    ptrdiff_t r;
-    switch (dtype) {
-#define FX_ROWS_TO(DT)                                                                                          \
-    for (r = 0; r < n_rows; r++)                                                                                \
-        fx_row_to_f32(dst + (size_t)r * dst_row_floats, (const char *)src + (size_t)r * src_row, n_heads, head_dim, DT); \
-    break;
-    case FX_F32: FX_ROWS_TO(FX_F32)
-    case FX_F16: FX_ROWS_TO(FX_F16)
-    case FX_BF16: FX_ROWS_TO(FX_BF16)
-    case FX_I8: FX_ROWS_TO(FX_I8)
-#undef FX_ROWS_TO
-    }
-}
-
 /* One row of float16 (src_dtype FX_F16) or bfloat16 (FX_BF16) values ->
    a stored row of dtype, through float32 (exact) in groups of 32. */
-FX_CONV_INLINE void fx_row_from_half(char *dst, const uint16_t *src, int n_heads, int head_dim, int src_dtype, int dtype)
+FX_INLINE void fx_row_from_half(char *dst, const uint16_t *src, int n_heads, int head_dim, int src_dtype, int dtype)
 {
     const size_t n = (size_t)n_heads * (size_t)head_dim;
     float tmp[FX_I8_GROUP];
@@ -343,33 +223,21 @@ FX_CONV_INLINE void fx_row_from_half(char *dst, const uint16_t *src, int n_heads
     }
 }
 
+/* The row loops (_conv.c).  n_rows float32 rows (src_row_floats apart) ->
+   stored rows of dtype (dst_row bytes apart). */
+FX_API void fx_rows_from_f32(void *dst, size_t dst_row, const float *src, size_t src_row_floats, ptrdiff_t n_rows,
+                             int n_heads, int head_dim, int dtype);
+/* n_rows stored rows of dtype (src_row bytes apart) -> float32 rows
+   (dst_row_floats apart). */
+FX_API void fx_rows_to_f32(float *dst, size_t dst_row_floats, const void *src, size_t src_row, ptrdiff_t n_rows,
+                           int n_heads, int head_dim, int dtype);
 /* n_rows float16 / bfloat16 rows (src_row_elems apart) -> stored rows of
    dtype (dst_row bytes apart); a straight copy when the dtypes agree. */
-FX_CLONES static FX_CONV_UNUSED void fx_rows_from_half(void *dst, size_t dst_row, const uint16_t *src, size_t src_row_elems,
-                                                       ptrdiff_t n_rows, int n_heads, int head_dim, int src_dtype,
-                                                       int dtype)
-{
-    ptrdiff_t r;
-#define FX_ROWS_HALF(S, D)                                                                                  \
-    for (r = 0; r < n_rows; r++)                                                                            \
-        fx_row_from_half((char *)dst + (size_t)r * dst_row, src + (size_t)r * src_row_elems, n_heads, head_dim, S, D); \
-    return;
-    if (src_dtype == FX_F16) {
-        switch (dtype) {
-        case FX_F32: FX_ROWS_HALF(FX_F16, FX_F32)
-        case FX_F16: FX_ROWS_HALF(FX_F16, FX_F16)
-        case FX_BF16: FX_ROWS_HALF(FX_F16, FX_BF16)
-        case FX_I8: FX_ROWS_HALF(FX_F16, FX_I8)
-        }
-    } else if (src_dtype == FX_BF16) {
-        switch (dtype) {
-        case FX_F32: FX_ROWS_HALF(FX_BF16, FX_F32)
-        case FX_F16: FX_ROWS_HALF(FX_BF16, FX_F16)
-        case FX_BF16: FX_ROWS_HALF(FX_BF16, FX_BF16)
-        case FX_I8: FX_ROWS_HALF(FX_BF16, FX_I8)
-        }
-    }
-#undef FX_ROWS_HALF
-}
+FX_API void fx_rows_from_half(void *dst, size_t dst_row, const uint16_t *src, size_t src_row_elems, ptrdiff_t n_rows,
+                              int n_heads, int head_dim, int src_dtype, int dtype);
+/* The read floor of the benchmarks: every float of n rows of `width`
+   floats, `stride` floats apart, read once and summed, built for the same
+   SIMD levels as the row loops. */
+FX_API float fx_read_rows(const float *p, ptrdiff_t n, ptrdiff_t width, ptrdiff_t stride);
 
 #endif /* FX_CONV_H */

@@ -1,6 +1,9 @@
 # The C layer of ferrox_kv: structs and the functions that move block ids and
 # rows. Implemented in _core.pyx and its includes (_pool.pxi, _prefix.pxi,
-# _cache.pxi, _batch.pxi, _attend.pxi); C helpers live in _fx.h and _attn.h.
+# _cache.pxi, _batch.pxi, _attend.pxi); C helpers live in _fx.h (inline),
+# the row conversions in _conv.h / _conv.c and the attention kernel in
+# _attn.h / _attn.c (built once per x86-64 level: _attn_base.c, _attn_v3.c,
+# _attn_v4.c). setup.py compiles those C files next to _core.c.
 
 cimport cython
 cimport numpy as cnp
@@ -30,7 +33,7 @@ cdef extern from "_fx.h" nogil:
     void fx_copy_blocks(char* arena, size_t block, const int32_t* ids, Py_ssize_t n,
                         Py_ssize_t stride, char* buf, bint into_arena)
     float fx_read_rows(const float* p, Py_ssize_t n, Py_ssize_t width, Py_ssize_t stride)
-    # storage dtypes and row conversions (_conv.h)
+    # storage dtypes (_conv.h) and the row loops (_conv.c)
     enum:
         FX_F32
         FX_F16
@@ -44,6 +47,37 @@ cdef extern from "_fx.h" nogil:
     void fx_rows_from_half(void* dst, size_t dst_row, const uint16_t* src, size_t src_row_elems,
                            Py_ssize_t n_rows, int n_heads, int head_dim, int src_dtype, int dtype)
 
+
+# Attention read in place (_attn.h; _attn.c and one file per x86-64 level).
+cdef extern from "_attn.h" nogil:
+    ctypedef struct fx_kv:
+        const void* k
+        const void* v
+        const int32_t* table
+        Py_ssize_t block_size
+        size_t k_block            # bytes
+        size_t v_block
+        size_t k_row              # bytes
+        size_t v_row
+        Py_ssize_t len
+        int dtype
+    ctypedef struct fx_attn_args:
+        int n_kv_heads
+        int head_dim
+        int v_head_dim
+        int n_heads
+        Py_ssize_t q_len
+        float scale
+        Py_ssize_t window
+        Py_ssize_t start
+    size_t fx_attend_scratch_floats(const fx_attn_args* a)
+    void fx_attend(const fx_kv* kv, const fx_attn_args* a, const float* q, float* out,
+                   float* scratch)
+    const char* fx_attend_simd_path()
+    const char* fx_attend_levels()
+    const char* fx_attend_load_path(int dtype)
+    int fx_attend_set_max_width(int w)
+    int fx_attend_set_max_level(int level)
 
 # A source of rows for cache_write besides FX_F32 / FX_F16 / FX_BF16 values:
 # rows already in the cache's own stored format (its row bytes apart).

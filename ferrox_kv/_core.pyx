@@ -68,9 +68,12 @@ cdef size_t _MAX_BYTES = <size_t>0x7fffffffffffffff
 
 
 def build_info():
-    """How this extension was built: ``{"build": ..., "compiler": ...}``
-    (release or the AddressSanitizer debug build, with its flags)."""
-    return {"build": fx_build_flags.decode(), "compiler": fx_compiler.decode()}
+    """How this extension was built: ``{"build": ..., "compiler": ...,
+    "kernel": ...}``: release or the AddressSanitizer debug build with its
+    flags, the compiler, and the x86-64 levels the attention kernel was
+    compiled for (``simd_path()`` says which one this CPU runs)."""
+    return {"build": fx_build_flags.decode(), "compiler": fx_compiler.decode(),
+            "kernel": fx_attend_levels().decode()}
 
 
 def gil_release_threshold():

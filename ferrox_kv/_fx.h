@@ -106,20 +106,4 @@ static inline void fx_copy_blocks(char *arena, size_t block, const int32_t *ids,
     }
 }
 
-/* The read floor of the benchmarks: every float of n rows of `width`
- * floats, `stride` floats apart, read once and summed (8 lanes, so that it
- * vectorises), compiled for the same SIMD levels as the attention kernel. */
-FX_CLONES static float fx_read_rows(const float *p, ptrdiff_t n, ptrdiff_t width, ptrdiff_t stride) {
-    float acc[32] = {0};              /* 4 independent 8-lane sums */
-    float total = 0;
-    ptrdiff_t r, i, j;
-    for (r = 0; r < n; r++, p += stride) {
-        for (i = 0; i + 32 <= width; i += 32)
-            for (j = 0; j < 32; j++) acc[j] += p[i + j];
-        for (; i < width; i++) total += p[i];
-    }
-    for (j = 0; j < 32; j++) total += acc[j];
-    return total;
-}
-
 #endif

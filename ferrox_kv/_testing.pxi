@@ -30,6 +30,15 @@ def _set_attend_max_width(int width):
     return fx_attend_set_max_width(width)
 
 
+def _set_attend_max_level(int level):
+    """Highest x86-64 level attention may run: 4 (x86-64-v4), 3 (x86-64-v3)
+    or 0 (the baseline), so a test runs a lower level's instantiation on
+    this CPU; returns the old level. Call it while no other thread attends."""
+    if level not in (0, 3, 4):
+        raise ValueError(f"level must be 0, 3 or 4, got {level}")
+    return fx_attend_set_max_level(level)
+
+
 def _take_give_loop(KvBlockPool pool not None, Py_ssize_t iters, Py_ssize_t batch):
     """Take and give back ``batch`` blocks ``iters`` times, in C, without the
     GIL. Returns how many takes were refused (pool benchmark)."""

@@ -40,7 +40,8 @@ def info_lines():
              f"  extension          {os.path.basename(_core.__file__)}"]
     b = _core.build_info()
     lines += [f"  build              {b['build']}",
-              f"  compiler           {b['compiler']}"]
+              f"  compiler           {b['compiler']}",
+              f"  kernel built for   {b['kernel']}"]
     lines += [f"  attention SIMD     {ferrox_kv.simd_path()}   [simd_path()]"]
     lines += [f"    rows of {dt:<10} {ferrox_kv.simd_path(dt).split('; ', 1)[1]}   "
               f"[simd_path({dt!r})]" for dt in ferrox_kv.DTYPES]

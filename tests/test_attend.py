@@ -390,12 +390,16 @@ def test_the_simd_path_is_named():
                                  "baseline (SSE2)") or _core.simd_path()
 
 
-@pytest.fixture(params=[8, 16], ids=["8-float", "16-float"])
+@pytest.fixture(params=[(4, 16), (3, 8), (0, 8)], ids=["16-float", "8-float", "baseline"])
 def attend_width(request):
-    """Attention at most this wide (16 runs only where the CPU has AVX-512)."""
-    old = _core._set_attend_max_width(request.param)
-    yield request.param
-    _core._set_attend_max_width(old)
+    """Attention capped at this (x86-64 level, vector width): each level's
+    instantiation in the shipped extension (16 floats only where the CPU
+    has AVX-512; a level above the CPU's runs the CPU's)."""
+    level, width = request.param
+    old_level, old_width = _core._set_attend_max_level(level), _core._set_attend_max_width(width)
+    yield width
+    _core._set_attend_max_width(old_width)
+    _core._set_attend_max_level(old_level)
 
 
 def _cpu_has_avx512():
@@ -421,6 +425,20 @@ def test_the_width_hook_names_the_path_and_refuses_other_widths():
         assert "16-float" not in _core.simd_path() or _core._set_attend_max_width(16) == 16
     finally:
         _core._set_attend_max_width(old)
+
+
+def test_the_level_hook_runs_the_baseline_and_refuses_other_levels():
+    old = _core._set_attend_max_level(0)
+    try:
+        if "x86-64" in _core.build_info()["kernel"]:      # a build that dispatches
+            assert _core.simd_path() == "baseline (SSE2)"
+            assert "exact integer conversion" in _core.simd_path("float16")
+        for bad in (1, 2, 5, -1):
+            with pytest.raises(ValueError, match="level must be 0, 3 or 4"):
+                _core._set_attend_max_level(bad)
+        assert _core._set_attend_max_level(4) == 0
+    finally:
+        _core._set_attend_max_level(old)
 
 
 # decode (G = 4, 1 query head per kv head, MQA), short chunks, and chunks of

@@ -5,9 +5,9 @@
  * 512, 2048, 8192, then q_len 256 causal over 2048 (report only).
  * Variants, interleaved in every round so ratios come from one run:
  *   floor   read every K/V float once (vector sum, v3 clone)
- *   clones  fx_attend as shipped (target_clones; this CPU picks x86-64-v3)
- *   base    fx_attend built without clones: x86-64 baseline (SSE2)
- *   v3      fx_attend built with -march=x86-64-v3 (no clones), control
+ *   shipped fx_attend as dispatched on this CPU
+ *   base    fx_attend capped to the x86-64 baseline (SSE2) instantiation
+ *   v3      fx_attend capped to x86-64-v3 on 8-float vectors
  * Each figure: best over ROUNDS rounds of (mean of REPS calls).
  * Usage: bench_attn [rounds] [paged|contig] [ctx:q_len[:H:Hkv:head_dim] ...]
  *        bench_attn exp      (exp approximation vs libm expf)
@@ -22,33 +22,19 @@
 #include <string.h>
 #include <time.h>
 
-#include "_attn.h"
+#include "_attn_kernel.h" /* the tuning knobs it prints */
 
-#define DECL(K)                                                                                           \
-    void K##_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch); \
-    float K##_floor(const fx_kv *kv, int nblocks);                                                        \
-    const char *K##_path(void);                                                                           \
-    size_t K##_scratch(const fx_attn_args *a);                                                            \
-    void K##_exp2v(const float *x, float *y, size_t n);                                                   \
-    void K##_expf(const float *x, float *y, size_t n);                                                    \
-    const char *K##_load_path(int dtype);                                                                 \
-    void K##_from_f32(void *dst, size_t dst_row, const float *src, size_t src_row, ptrdiff_t n, int h, int d, int dt);
-#ifdef AB /* A/B build: two kernel builds (headers/flags) in the base and v3 slots */
-DECL(clones)
-DECL(A)
-DECL(B)
-#define base_attend A_attend
-#define base_path A_path
-#define base_scratch A_scratch
-#define v3_scratch B_scratch
-#define v3_attend B_attend
-#define v3_path B_path
+void clones_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
+void base_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
+void v3_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
+const char *clones_path(void), *base_path(void), *v3_path(void);
+size_t clones_scratch(const fx_attn_args *a), base_scratch(const fx_attn_args *a), v3_scratch(const fx_attn_args *a);
+float clones_floor(const fx_kv *kv, int nblocks);
+void clones_exp2v(const float *x, float *y, size_t n);
+void clones_expf(const float *x, float *y, size_t n);
+const char *clones_load_path(int dtype);
+void clones_from_f32(void *dst, size_t dst_row, const float *src, size_t src_row, ptrdiff_t n, int h, int d, int dt);
 #define v3_floor clones_floor
-#else
-DECL(clones)
-DECL(base)
-DECL(v3)
-#endif
 
 static double now(void)
 {
@@ -67,11 +53,7 @@ static float rnd(void)
 volatile float sink;
 
 enum { V_FLOOR, V_CLONES, V_BASE, V_V3, NV };
-#ifdef AB
-static const char *vname[NV] = {"floor", "clones(v3)", "A", "B"};
-#else
-static const char *vname[NV] = {"floor", "clones(v3)", "base(sse2)", "v3(-march)"};
-#endif
+static const char *vname[NV] = {"floor", "shipped", "base(sse2)", "v3(8-float)"};
 
 static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, int Hkv, int hd)
 {

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "_attn.h"
+#include "_simd.h" /* fxa_exp2, fxa_exp2f: exp_test */
 
 
 #define RTOL 1e-5
@@ -342,23 +343,36 @@ int main(void)
     char what[256];
     size_t gi, di, bi, li;
     tcase tc;
-    int dt, sub, w16, wpass;
+    int dt, sub, wpass, n_names = 0;
+    const char *names[4];
+    fx_attn_args probe;
+#ifdef TEST_ALL_LEVELS
+    static const int paths[][2] = {{4, 16}, {3, 8}, {0, 8}}; /* (max level, max width) */
+#else
+    static const int paths[][2] = {{4, 16}, {3, 8}};
+#endif
 
     printf("simd path: %s; %s, %s, %s, %s\n", fx_attend_simd_path(), fx_attend_load_path(FX_F32),
            fx_attend_load_path(FX_F16), fx_attend_load_path(FX_BF16), fx_attend_load_path(FX_I8));
+    memset(&probe, 0, sizeof probe);
+    probe.head_dim = probe.v_head_dim = 16;
     exp_test();
     n_fail += conv_tests();
 
-    /* where the CPU runs 16-float vectors, every case runs at both widths */
+    /* every code path this build can run on this CPU runs every case: the
+       levels' instantiations (x86-64-v4 on 16-float vectors, v3, and with
+       TEST_ALL_LEVELS the baseline too) and, without dispatch, both widths */
+    for (wpass = 0; wpass < (int)(sizeof paths / sizeof paths[0]); wpass++) {
     {
-        fx_attn_args probe;
-        memset(&probe, 0, sizeof probe);
-        probe.head_dim = probe.v_head_dim = 16;
-        w16 = fx_attend_width(&probe) == 16;
+        int k, seen = 0;
+        fx_attend_set_max_level(paths[wpass][0]);
+        fx_attend_set_max_width(paths[wpass][1]);
+        for (k = 0; k < n_names; k++) seen |= strcmp(names[k], fx_attend_simd_path()) == 0;
+        if (seen) continue;
+        names[n_names++] = fx_attend_simd_path();
     }
-    for (wpass = 0; wpass <= w16; wpass++) {
-    fx_attend_set_max_width(wpass ? 8 : 16);
-    printf("%d-float vectors where head dims allow\n", w16 && !wpass ? 16 : 8);
+    printf("path: %s (16-float vectors where head dims allow: %s)\n", fx_attend_simd_path(),
+           fx_attend_width(&probe) == 16 ? "yes" : "no");
     for (dt = FX_F32; dt <= FX_I8; dt++) {
     /* float32: every combination; the other dtypes: every third (each value of each axis still occurs) */
     sub = dt == FX_F32 ? 1 : 3;

@@ -1,0 +1,617 @@
+/* _attn_kernel.h -- the loop nest of the attention kernel declared in
+ * _attn.h, for the translation units that instantiate it: _attn_base.c,
+ * _attn_v3.c and _attn_v4.c (one per x86-64 level), and _attn.c (the
+ * dispatch; it uses the pass shape only).  Every symbol here is static or
+ * a macro; FXA_ENTRY defines one level's entry point.
+ *
+ * Rules the code follows
+ *   - One pass over the visible rows with an online softmax (running max m,
+ *     running sum l; accumulators rescaled once per chunk, only when m
+ *     grows).  Scores are kept in base 2: with c = scale*log2(e), q is
+ *     pre-multiplied by c when |c| <= 1 (f = 1), else by sign(c) (f = |c|;
+ *     2 and |c|/2 beyond FLT_MAX), and p = 2^((s - m) * f).  s - m <= 0 and
+ *     f > 0, so the exponent argument is never positive: any finite scale x
+ *     score gives the exact softmax (scale=1e38 over equal scores is their
+ *     mean), with no overflow.
+ *   - Numerics follow torch's SDPA: a NaN in q, in a visible K row or in a
+ *     visible V row makes the outputs of the query vectors that read it NaN;
+ *     a +inf score is NaN (inf - inf), a -inf score has weight 0, and a
+ *     query whose visible scores are all -inf is NaN.  A query that sees no
+ *     row (window, start) gets zeros.  NaN costs nothing in the hot loop:
+ *     exp2 passes NaN through, and the max ignores it.
+ *   - The dtype changes only the row load (FXA_LD): float32 as is, float16
+ *     by F16C's vcvtph2ps (x86-64-v3) or an exact integer conversion,
+ *     bfloat16 by a zero-extend and a 16-bit shift, int8 by a widen times
+ *     its group's scale (the chunk's scales are converted to float once per
+ *     chunk).  The loop nest is one always_inline body, instantiated per
+ *     dtype with the dtype a constant.
+ *   - Rows are walked in chunks of FX_ATTN_CHUNK described by per-row
+ *     pointers, so contiguous and paged caches share one path and a chunk
+ *     may straddle blocks.  Query vectors sharing a kv head are processed
+ *     in tiles of 4 (GQA heads of one position, or several positions):
+ *     each K/V vector loaded feeds 4 queries.  Where many query vectors
+ *     share a kv head (prefill) its K slice is packed transposed, so the
+ *     scores of a tile come out as vectors over rows, with no horizontal
+ *     sum.  See fx_attend for the loop nest.
+ *   - Nothing of context size is allocated: the caller's scratch
+ *     (fx_attend_scratch_floats) holds scaled queries, accumulators, m, l
+ *     and one chunk of scores.  No allocation, no libc calls besides
+ *     memset/memcpy: safe to call without the GIL.
+ *   - SIMD through the vector helpers of _simd.h, 8 floats wide; the q.k
+ *     and p.V tiles (_attn_tile.h) also come 16 wide for AVX-512.  Each
+ *     (dtype, width) instantiation of the loop nest is a function of its
+ *     own (FXA_ENTRY): gcc's time on one function grows faster than the
+ *     function, so four bodies apart compile several times faster than
+ *     four bodies in one switch.  _attn.c calls the entry of the widest
+ *     level the CPU has: fxa_attend_v4 (16-float vectors, head dims that
+ *     are multiples of 16), fxa_attend_v3 (AVX2+FMA, float16 by F16C),
+ *     fxa_attend_base (the x86-64 baseline, or what the compiler targets
+ *     in a build without dispatch).
+ *   - The speed depends on floating-point contraction: GNU C's default
+ *     -ffp-contract=fast turns a*b+c into FMA in the v3 clone (ISO modes,
+ *     -std=c99/c11, turn it off).  Do not build with -ffast-math.
+ */
+#ifndef FX_ATTN_KERNEL_H
+#define FX_ATTN_KERNEL_H
+
+#include "_simd.h"
+#include "_attn.h"
+#ifdef FX_ATTN_LIBM_EXP
+#include <math.h>
+#endif
+
+/* ---- tuning knobs (compile-time; defaults measured, see REPORT.md) ---- */
+#ifndef FX_ATTN_CHUNK      /* rows per chunk: multiple of 8 in [8, 256] */
+#define FX_ATTN_CHUNK 48
+#endif
+#ifndef FX_ATTN_QBLOCK     /* query vectors (positions x query heads) per pass */
+#define FX_ATTN_QBLOCK 256
+#endif
+#ifndef FX_ATTN_PACK_MIN   /* pack K/V slices when more query vectors share a kv head */
+#define FX_ATTN_PACK_MIN 32
+#endif
+#ifndef FX_ATTN_RGA        /* unpacked: rows per group in the score phase */
+#define FX_ATTN_RGA 24
+#endif
+#ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
+#define FX_ATTN_RGC 8
+#endif
+#if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
+#error "FX_ATTN_CHUNK must be a multiple of 8 in [8, 256]"
+#endif
+#if FX_ATTN_RGA < 1 || FX_ATTN_RGC < 1
+#error "FX_ATTN_RGA and FX_ATTN_RGC must be positive"
+#endif
+
+/* ---- kernel pieces ---------------------------------------------------- */
+#define FX_C FX_ATTN_CHUNK
+/* floats per d of a packed, transposed K slice: whole groups of 48 rows
+   (the 3 vectors of a transposed score tile at either width) */
+#define FX_KT ((FX_C + 47) / 48 * 48)
+/* stride of a score row: a chunk plus the overhang of a last row group */
+#define FX_CS (FX_C + 16 > FX_KT ? FX_C + 16 : FX_KT)
+#define FX_LOG2E 1.4426950408889634f
+
+/* Row pointers of one chunk (first byte of each K and V row); entries past
+   the chunk's last row repeat it, so whole groups of (up to 12) rows can be
+   read without leaving the cache.  FX_I8: ks/vs point at each row's scales
+   converted to float (kv head g, group j at [g*groups + j]). */
+#define FX_CP (FX_C + 12)
+typedef struct {
+    const char *k[FX_CP], *v[FX_CP];
+    const float *ks[FX_CP], *vs[FX_CP];
+} fxa_rows;
+
+/* Floats of the per-chunk scale buffer (FX_I8). */
+#define FXA_SCALE_FLOATS(a) \
+    ((size_t)FX_C * (size_t)(a)->n_kv_heads * (fx_i8_groups((a)->head_dim) + fx_i8_groups((a)->v_head_dim)))
+
+FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t c0, int n, fxa_rows *c,
+                              float *sbuf, const int dt)
+{
+    const char *kb = (const char *)kv->k, *vb = (const char *)kv->v;
+    int i;
+    for (i = 0; i < n; i++) c->ks[i] = c->vs[i] = NULL;
+    if (!kv->table) {
+        for (i = 0; i < n; i++) {
+            c->k[i] = kb + (size_t)(c0 + i) * kv->k_row;
+            c->v[i] = vb + (size_t)(c0 + i) * kv->v_row;
+        }
+    } else {
+        ptrdiff_t b = c0 / kv->block_size, o = c0 % kv->block_size;
+        for (i = 0; i < n; i++) {
+            const size_t blk = (size_t)kv->table[b];
+            c->k[i] = kb + blk * kv->k_block + (size_t)o * kv->k_row;
+            c->v[i] = vb + blk * kv->v_block + (size_t)o * kv->v_row;
+            if (++o == kv->block_size) { o = 0; b++; }
+        }
+    }
+    if (dt == FX_I8) {
+        const size_t nk = (size_t)a->n_kv_heads * fx_i8_groups(a->head_dim);
+        const size_t nv = (size_t)a->n_kv_heads * fx_i8_groups(a->v_head_dim);
+        const size_t kvals = (size_t)a->n_kv_heads * (size_t)a->head_dim;
+        const size_t vvals = (size_t)a->n_kv_heads * (size_t)a->v_head_dim;
+        size_t j;
+        /* 8 scales per vector conversion (exact, as fx_f16_to_f32): a row
+           holds n_kv_heads * groups of them, 64 at 8 x 128 */
+        for (i = 0; i < n; i++) {
+            float *ks = sbuf + (size_t)i * (nk + nv), *vs = ks + nk;
+            for (j = 0; j + 8 <= nk; j += 8) fxa_store(ks + j, fxa_load_f16(c->k[i] + kvals + 2 * j));
+            for (; j < nk; j++) ks[j] = fx_f16_to_f32(fx_ld16(c->k[i] + kvals + 2 * j));
+            for (j = 0; j + 8 <= nv; j += 8) fxa_store(vs + j, fxa_load_f16(c->v[i] + vvals + 2 * j));
+            for (; j < nv; j++) vs[j] = fx_f16_to_f32(fx_ld16(c->v[i] + vvals + 2 * j));
+            c->ks[i] = ks;
+            c->vs[i] = vs;
+        }
+    }
+    for (i = n; i < FX_CP; i++) {
+        c->k[i] = c->k[n - 1];
+        c->v[i] = c->v[n - 1];
+        c->ks[i] = c->ks[n - 1];
+        c->vs[i] = c->vs[n - 1];
+    }
+}
+
+/* The int8 scale of row r's group holding dim d of the head whose scales
+   start at soff (0 for other dtypes). */
+#define FXA_SC(dt, s, r, soff, d) ((dt) == FX_I8 ? (s)[r][(soff) + ((size_t)(d) >> 5)] : 0.0f)
+
+/* The width-dependent tiles (_attn_tile.h): fxa_qk_tile_8, fxa_pv_tile_8
+   on 8-float vectors everywhere; fxa_qk_tile_16, fxa_pv_tile_16 on 16-float
+   vectors where FXA_HAVE_W16.  FXA_QK_TILE / FXA_PV_TILE pick one by W, a
+   constant in every instantiation of the loop nest. */
+#define FXT_W 8
+#define FXT_V fxa_v8
+#define FXT_LOAD fxa_load
+#define FXT_STORE fxa_store
+#define FXT_SPLAT fxa_splat
+#define FXT_LD FXA_LD
+#define FXT_FOLD8(v) (v)
+#include "_attn_tile.h"
+#if FXA_HAVE_W16
+#define FXT_W 16
+#define FXT_V fxa_v16
+#define FXT_LOAD fxa16_load
+#define FXT_STORE fxa16_store
+#define FXT_SPLAT fxa16_splat
+#define FXT_LD FXA_LD16
+#define FXT_FOLD8 fxa16_fold8
+#include "_attn_tile.h"
+#define FXA_QK_TILE(W, ...) ((W) == 16 ? fxa_qk_tile_16(__VA_ARGS__) : fxa_qk_tile_8(__VA_ARGS__))
+#define FXA_QKT_TILE(W, ...) ((W) == 16 ? fxa_qkt_tile_16(__VA_ARGS__) : fxa_qkt_tile_8(__VA_ARGS__))
+#define FXA_PV_TILE(W, ...) ((W) == 16 ? fxa_pv_tile_16(__VA_ARGS__) : fxa_pv_tile_8(__VA_ARGS__))
+#else
+#define FXA_QK_TILE(W, ...) ((void)(W), fxa_qk_tile_8(__VA_ARGS__))
+#define FXA_QKT_TILE(W, ...) ((void)(W), fxa_qkt_tile_8(__VA_ARGS__))
+#define FXA_PV_TILE(W, ...) ((void)(W), fxa_pv_tile_8(__VA_ARGS__))
+#endif
+
+/* Online-softmax step of one query vector over one chunk.  s: its scores
+   (base 2) for the chunk's rows, of which only [a, b) are visible (and only
+   those need be valid).  Leaves p = 2^((s - m_new) f) on [a, b) and 0
+   elsewhere on [0, n8), sets *alpha = 2^((m_old - m_new) f) (1 if the max
+   did not grow or nothing is visible, 0 on the first visible chunk) and
+   updates m, l.  The max ignores NaN; while it is -inf (every visible score
+   so far -inf or NaN) p is 2^(s f): 0 for -inf, NaN for NaN. */
+FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float *l, float *alpha, float f)
+{
+    const int g0 = a & ~7, g1 = (b + 7) & ~7;
+    fxa_v8 mx = fxa_splat(FX_NEG_INF), sum = fxa_splat(0.0f);
+    float mc;
+    int r;
+    *alpha = 1.0f;
+    if (a >= b) {
+        for (r = 0; r < n8; r += 8) fxa_store(s + r, fxa_splat(0.0f));
+        return;
+    }
+    for (r = 0; r < g0; r += 8) fxa_store(s + r, fxa_splat(0.0f));
+    for (r = g1; r < n8; r += 8) fxa_store(s + r, fxa_splat(0.0f));
+    /* only the end groups can hold invisible rows: -inf there gives p = 0 */
+    if (a > g0) fxa_store(s + g0, fxa_mask_range(fxa_load(s + g0), g0, a, b));
+    if (b < g1) fxa_store(s + g1 - 8, fxa_mask_range(fxa_load(s + g1 - 8), g1 - 8, a, b));
+    for (r = g0; r < g1; r += 8) mx = fxa_max(mx, fxa_load(s + r));
+    mc = fxa_hmax(mx);
+    if (mc > *m) {
+#ifdef FX_ATTN_LIBM_EXP
+        *alpha = expf((*m - mc) * f * 0.693147180559945f);
+#else
+        *alpha = fxa_exp2f((*m - mc) * f); /* m = -inf before the first visible row: 0 */
+#endif
+        *m = mc;
+    }
+    mc = *m == FX_NEG_INF ? 0.0f : *m;
+#ifdef FX_ATTN_LIBM_EXP
+    for (r = g0; r < g1; r++) s[r] = expf((s[r] - mc) * f * 0.693147180559945f);
+    for (r = g0; r < g1; r += 8) sum = fxa_add(sum, fxa_load(s + r));
+#else
+    for (r = g0; r < g1; r += 8) {
+        const fxa_v8 pr = fxa_exp2(fxa_mul(fxa_sub(fxa_load(s + r), fxa_splat(mc)), fxa_splat(f)));
+        fxa_store(s + r, pr);
+        sum = fxa_add(sum, pr);
+    }
+#endif
+    *l = *l * *alpha + fxa_hsum(sum);
+}
+
+/* Query vectors of one pass are numbered kv-head-major: i = h*nvg + pos*G + jj
+   (h-th kv head of the pass, position pos within the pass, query head jj
+   within the group), so the vectors sharing a kv head are consecutive.
+   Tiles are runs of 4 (then 2, 1) consecutive vectors of one kv head. */
+#define FX_TILE_T(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
+
+/* Rows [ua, ub) of the chunk that some vector of tile i0 .. i0+T-1 sees
+   (ua >= ub: none). */
+FX_INLINE void fxa_tile_rows(const float *fa, const float *fb, ptrdiff_t i0, int T, int *ua, int *ub)
+{
+    int t;
+    *ua = FX_C;
+    *ub = 0;
+    for (t = 0; t < T; t++)
+        if (fa[i0 + t] < fb[i0 + t]) {
+            *ua = (int)fa[i0 + t] < *ua ? (int)fa[i0 + t] : *ua;
+            *ub = (int)fb[i0 + t] > *ub ? (int)fb[i0 + t] : *ub;
+        }
+}
+
+/* Phase A: scores of every tile of nh kv heads (nvg vectors each, the
+   first one numbered i1) for rows [r, r1) of the chunk.  The slice of the
+   h-th of these heads is at value offset koff0 + h*head_dim of c->k[row]
+   (int8 scales at c->ks[row] + soff0 + h*groups). */
+FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t koff0,
+                               size_t soff0, const fxa_rows *c, int r, int r1, const float *qs, float *sc,
+                               const float *fa, const float *fb, const int dt, const int W)
+{
+    const int hd = a->head_dim;
+    const size_t ng = fx_i8_groups(hd);
+    int h;
+    for (h = 0; h < nh; h++) {
+        const size_t koff = koff0 + (size_t)h * (size_t)hd, soff = soff0 + (size_t)h * ng;
+        const ptrdiff_t iend = i1 + (h + 1) * nvg;
+        ptrdiff_t i0;
+        for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
+            const int T = FX_TILE_T(iend - i0), R = 12 / T;
+            const float *q = qs + (size_t)i0 * hd;
+            int ua, ub, rr;
+            fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
+            ua = ua > r ? ua : r;
+            ub = ub < r1 ? ub : r1;
+            for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
+                float *s = sc + (size_t)i0 * FX_CS + rr;
+                if (T == 4) FXA_QK_TILE(W, 4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else if (T == 2) FXA_QK_TILE(W, 2, 6, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else FXA_QK_TILE(W, 1, 12, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+            }
+        }
+    }
+}
+
+/* Phase A on a packed head: scores of the tiles of vectors i1 .. i1+nvg
+   against the transposed K slice kt (FX_KT floats per dimension), for the
+   groups of 3W rows that hold a row the tile sees. */
+FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const float *kt, const float *qs, float *sc,
+                                  const float *fa, const float *fb, const int W)
+{
+    const ptrdiff_t iend = i1 + nvg;
+    ptrdiff_t i0;
+    for (i0 = i1; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
+        const int T = FX_TILE_T(iend - i0);
+        int ua, ub, rr;
+        float *s = sc + (size_t)i0 * FX_CS;
+        const float *q = qs + (size_t)i0 * hd;
+        fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
+        for (rr = ua / (3 * W) * (3 * W); rr < ub; rr += 3 * W) {
+            if (T == 4) FXA_QKT_TILE(W, 4, q, hd, kt, rr, s);
+            else if (T == 2) FXA_QKT_TILE(W, 2, q, hd, kt, rr, s);
+            else FXA_QKT_TILE(W, 1, q, hd, kt, rr, s);
+        }
+    }
+}
+
+/* Phase C: acc += p.V for the same tiles and rows [r, r1), rescaling each
+   tile's accumulators by alpha in the row group that holds its first
+   visible row.  V slices at value offset voff0 + h*v_head_dim of c->v[row]
+   (int8 scales at c->vs[row] + soff0 + h*groups). */
+FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t voff0, size_t soff0,
+                           const fxa_rows *c, int r, int r1, float *acc, const float *sc, const float *al,
+                           const float *fa, const float *fb, const int dt, const int W)
+{
+    const int dv = a->v_head_dim;
+    const size_t ng = fx_i8_groups(dv);
+    int h;
+    for (h = 0; h < nh; h++) {
+        const size_t voff = voff0 + (size_t)h * (size_t)dv, soff = soff0 + (size_t)h * ng;
+        const ptrdiff_t iend = i1 + (h + 1) * nvg;
+        ptrdiff_t i0;
+        for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
+            const int T = FX_TILE_T(iend - i0);
+            float *o = acc + (size_t)i0 * dv;
+            const float *p = sc + (size_t)i0 * FX_CS, *alp = al + i0;
+            int ua, ub, lo, hi, first, ca, cb, t;
+            fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
+            lo = ua > r ? ua : r;
+            hi = ub < r1 ? ub : r1;
+            if (lo >= hi) continue;
+            first = ua >= r;
+            /* rows every vector of the tile sees: the tile reads them once for all */
+            ca = lo;
+            cb = hi;
+            for (t = 0; t < T; t++) {
+                ca = (int)fa[i0 + t] > ca ? (int)fa[i0 + t] : ca;
+                cb = (int)fb[i0 + t] < cb ? (int)fb[i0 + t] : cb;
+            }
+            if (ca == lo && cb == hi) {
+                if (T == 4) FXA_PV_TILE(W, 4, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                else if (T == 2) FXA_PV_TILE(W, 2, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                else FXA_PV_TILE(W, 1, o, dv, alp, first, p, c->v, c->vs, voff, soff, lo, hi, dt);
+                continue;
+            }
+            /* vectors of different positions see different rows (causal
+               edge, window, start): each reads only its own rows (p = 0 on a
+               row it does not see would still turn a NaN in V into NaN) */
+            if (ca < cb) {
+                if (T == 4) FXA_PV_TILE(W, 4, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
+                else if (T == 2) FXA_PV_TILE(W, 2, o, dv, alp, first, p, c->v, c->vs, voff, soff, ca, cb, dt);
+            }
+            for (t = 0; t < T; t++) {
+                float *ot = o + (size_t)t * dv;
+                const float *pt = p + (size_t)t * FX_CS;
+                const int a0 = (int)fa[i0 + t] > lo ? (int)fa[i0 + t] : lo;
+                const int b0 = (int)fb[i0 + t] < hi ? (int)fb[i0 + t] : hi;
+                if (ca < cb) {
+                    if (a0 < ca) FXA_PV_TILE(W, 1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, a0, ca, dt);
+                    if (cb < b0) FXA_PV_TILE(W, 1, ot, dv, alp + t, 0, pt, c->v, c->vs, voff, soff, cb, b0, dt);
+                } else {
+                    FXA_PV_TILE(W, 1, ot, dv, alp + t, first, pt, c->v, c->vs, voff, soff, a0, b0 > a0 ? b0 : a0, dt);
+                }
+            }
+        }
+    }
+}
+
+/* One kv head's slice of a row as float32 (fxa_pack_head).  The packed
+   head: K of the chunk's n rows transposed into kt (fxa_phase_scores_t
+   reads it), V as contiguous rows that pk points at (padding entries
+   repeat the last row; the p.V tiles read pk as FX_F32). */
+FX_INLINE void fxa_unpack_slice(float *dst, const char *row, const float *scales, int g, int hd, const int dt)
+{
+    const size_t off = (size_t)g * (size_t)hd, soff = (size_t)g * fx_i8_groups(hd);
+    int d = 0;
+    if (dt == FX_F32) {
+        memcpy(dst, row + 4 * off, (size_t)hd * sizeof(float));
+        return;
+    }
+    for (; d + 8 <= hd; d += 8) fxa_store(dst + d, FXA_LD(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f));
+    for (; d < hd; d++) dst[d] = fxa_ld1(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f);
+}
+
+FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kt, float *krow, float *vbuf,
+                             fxa_rows *pk, const int dt)
+{
+    int r, d;
+    /* K transposed (kt[d*FX_KT + r]), rows past n zero */
+    for (r = 0; r < n; r++) {
+        fxa_unpack_slice(krow, c->k[r], c->ks[r], g, hd, dt);
+        for (d = 0; d < hd; d++) kt[(size_t)d * FX_KT + r] = krow[d];
+    }
+    if (n < FX_KT)
+        for (d = 0; d < hd; d++) memset(kt + (size_t)d * FX_KT + n, 0, (size_t)(FX_KT - n) * sizeof(float));
+    for (r = 0; r < n; r++) {
+        fxa_unpack_slice(vbuf + (size_t)r * dv, c->v[r], c->vs[r], g, dv, dt);
+        pk->k[r] = NULL;
+        pk->v[r] = (const char *)(vbuf + (size_t)r * dv);
+        pk->ks[r] = pk->vs[r] = NULL;
+    }
+    for (r = n; r < FX_CP; r++) {
+        pk->k[r] = NULL;
+        pk->v[r] = pk->v[n - 1];
+        pk->ks[r] = pk->vs[r] = NULL;
+    }
+}
+
+/* Shape of a pass: nq query positions x nh kv heads (x G query heads),
+   about FX_ATTN_QBLOCK query vectors.  Everything in one pass when it fits;
+   else positions first (each K/V slice is then reused by more queries),
+   then kv heads. */
+static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq, int *nh)
+{
+    const int G = a->n_heads / a->n_kv_heads;
+    if ((ptrdiff_t)a->n_heads * a->q_len <= FX_ATTN_QBLOCK) {
+        *nq = a->q_len;
+        *nh = a->n_kv_heads;
+        return;
+    }
+    *nq = FX_ATTN_QBLOCK / G < 1 ? 1 : FX_ATTN_QBLOCK / G;
+    if (*nq > a->q_len) *nq = a->q_len;
+    *nh = (int)(FX_ATTN_QBLOCK / (*nq * G));
+    if (*nh < 1) *nh = 1;
+    if (*nh > a->n_kv_heads) *nh = a->n_kv_heads;
+}
+
+/* A kv head's K/V slices are packed into contiguous buffers when more than
+   FX_ATTN_PACK_MIN query vectors (8 tiles) of a pass share them. */
+#define FX_PACKS(nvg) ((nvg) > FX_ATTN_PACK_MIN)
+
+/* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
+   scaled queries, output accumulators, one chunk of scores, m, l, alpha and
+   the visible row range of each vector; plus one chunk of one head's K
+   (transposed, FX_KT rows, and one row) and V when they are packed, and
+   one chunk's int8 scales as float. */
+static inline FX_UNUSED size_t fxa_scratch_floats(const fx_attn_args *a)
+{
+    ptrdiff_t nq;
+    int nh;
+    size_t nvg, nv;
+    fxa_pass_shape(a, &nq, &nh);
+    nvg = (size_t)nq * (size_t)(a->n_heads / a->n_kv_heads);
+    nv = nvg * (size_t)nh;
+    return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5) +
+           (FX_PACKS(nvg) ? (size_t)(FX_KT + 1) * (size_t)a->head_dim + (size_t)FX_C * (size_t)a->v_head_dim : 0) +
+           FXA_SCALE_FLOATS(a);
+}
+
+/* q: (q_len, n_heads, head_dim); out: (q_len, n_heads, v_head_dim), both
+   C-contiguous.  Query t sits at position p = len - q_len + t and sees rows
+   max(start, window ? p-window+1 : 0) .. p; a query that sees no row gets
+   zeros.  scratch: fx_attend_scratch_floats(a) floats, any contents.
+   kv->dtype selects the instantiation of the one loop nest below.
+
+   Loop nest.  Passes over (block of query positions) x (block of kv heads),
+   see fxa_pass_shape; the pass keeps its queries, accumulators, m and l in
+   scratch, and walks the rows its queries see in chunks of FX_C rows:
+     up to FX_ATTN_PACK_MIN query vectors per kv head (decode, short q_len)
+       A  scores   for row groups of RGA rows: for kv heads: its tiles
+       B  softmax  every query vector: chunk max, alpha, p, l
+       C  p.V      for row groups of RGC rows: for kv heads: its tiles
+       K and V are read row after row across all heads, close to memory
+       order: the hardware prefetcher streams them, and a head's slices in
+       consecutive rows (4 KiB apart: same L1 sets) are never needed more
+       than a row group at a time.
+     more (prefill, MQA with G > 32)
+       for kv heads: pack the chunk's K slice transposed and its V slice
+       contiguously, then A (on the transposed K: no horizontal sums), B, C
+       over the whole chunk for every tile of the head (the packed slices
+       stay in L1 across the tiles that reuse them). */
+FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch,
+                               const int dt, const int W)
+{
+    const int H = a->n_heads, Hkv = a->n_kv_heads, G = a->n_heads / a->n_kv_heads;
+    const int hd = a->head_dim, dv = a->v_head_dim;
+    const size_t ngk = fx_i8_groups(hd), ngv = fx_i8_groups(dv);
+    const ptrdiff_t first = kv->len - a->q_len;
+    const float c = a->scale * FX_LOG2E;
+    /* q is scaled by qscale, exponents by f (see the rules at the top) */
+    const int small = c <= 1.0f && c >= -1.0f, finite = c <= 3.4028234e38f && c >= -3.4028234e38f;
+    const float qscale = small ? c : (c > 0 ? 1.0f : -1.0f) * (finite ? 1.0f : 2.0f);
+    const float f = small ? 1.0f : finite ? (c > 0 ? c : -c) : (float)((a->scale > 0 ? (double)a->scale : -(double)a->scale) * 0.72134752044448170);
+    fxa_rows rows, packed;
+    ptrdiff_t qb, t0;
+    int hb, g0;
+
+    fxa_pass_shape(a, &qb, &hb);
+    for (t0 = 0; t0 < a->q_len; t0 += qb)
+        for (g0 = 0; g0 < Hkv; g0 += hb) {
+            const ptrdiff_t nq = a->q_len - t0 < qb ? a->q_len - t0 : qb;
+            const int nh = Hkv - g0 < hb ? Hkv - g0 : hb;
+            const ptrdiff_t nvg = nq * G, nv = nvg * nh, p_last = first + t0 + nq - 1;
+            float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
+            float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
+            float *kt = fb + nv, *krow = kt + (size_t)FX_KT * hd, *vbuf = krow + hd;
+            const int pack = FX_PACKS(nvg);
+            float *sbuf = pack ? vbuf + (size_t)FX_C * dv : kt;
+            ptrdiff_t lo, c0, i, pos;
+            int h, jj, d;
+
+            /* scaled queries, vector i = h*nvg + pos*G + jj (kv head g0+h, position t0+pos,
+               query head (g0+h)*G + jj): a kv head's vectors are consecutive */
+            for (h = 0, i = 0; h < nh; h++)
+                for (pos = 0; pos < nq; pos++)
+                    for (jj = 0; jj < G; jj++, i++) {
+                        const float *src = q + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * hd;
+                        for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
+                        mm[i] = FX_NEG_INF;
+                        ll[i] = 0.0f;
+                    }
+            memset(acc, 0, (size_t)nv * dv * sizeof(float));
+
+            /* rows any query of this pass sees: lo of the first position .. p_last */
+            lo = a->start;
+            if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
+            for (c0 = lo; c0 <= p_last; c0 += FX_C) {
+                const int n = (int)(p_last + 1 - c0 < FX_C ? p_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
+                int r;
+                fxa_chunk_rows(kv, a, c0, n, &rows, sbuf, dt);
+                /* rows [fa, fb) of this chunk each vector sees */
+                for (h = 0, i = 0; h < nh; h++)
+                    for (pos = 0; pos < nq; pos++) {
+                        const ptrdiff_t p = first + t0 + pos;
+                        ptrdiff_t vlo = a->start, x, y;
+                        if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
+                        x = vlo - c0 < 0 ? 0 : vlo - c0 > n ? n : vlo - c0;
+                        y = p + 1 - c0 < 0 ? 0 : p + 1 - c0 > n ? n : p + 1 - c0;
+                        for (jj = 0; jj < G; jj++, i++) {
+                            fa[i] = (float)x;
+                            fb[i] = (float)y;
+                        }
+                    }
+                if (!pack) {
+                    for (r = 0; r < n; r += FX_ATTN_RGA)
+                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
+                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb, dt, W);
+                    for (i = 0; i < nv; i++)
+                        fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
+                    for (r = 0; r < n; r += FX_ATTN_RGC)
+                        fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, (size_t)g0 * ngv, &rows, r,
+                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt, W);
+                } else {
+                    for (h = 0; h < nh; h++) {
+                        fxa_pack_head(&rows, n, g0 + h, hd, dv, kt, krow, vbuf, &packed, dt);
+                        fxa_phase_scores_t(hd, nvg, h * nvg, kt, qs, sc, fa, fb, W);
+                        for (i = h * nvg; i < (h + 1) * nvg; i++)
+                            fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
+                                            al + i, f);
+                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32, W);
+                    }
+                }
+            }
+
+            /* out = acc / l, back in (position, head) order; zeros where nothing
+               was visible; l = 0 with rows visible (all scores -inf) gives
+               0 * inf = NaN, l = NaN gives NaN */
+            for (h = 0, i = 0; h < nh; h++)
+                for (pos = 0; pos < nq; pos++) {
+                    const ptrdiff_t p = first + t0 + pos;
+                    ptrdiff_t vlo = a->start;
+                    if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
+                    for (jj = 0; jj < G; jj++, i++) {
+                        float *dst = out + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * dv;
+                        const float inv = vlo <= p ? 1.0f / ll[i] : 0.0f;
+                        for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
+                    }
+                }
+        }
+}
+
+
+#if defined(__GNUC__) || defined(__clang__)
+#define FXA_NOINLINE __attribute__((noinline))
+#else
+#define FXA_NOINLINE
+#endif
+
+/* FXA_ENTRY(TARGET, name, f16, W): the entry point `name` of one level
+   (TARGET: its target attribute, or nothing), with one function per dtype
+   at vector width W; f16: how it reads float16 (FXA_F16C or FX_F16). */
+#define FXA_INSTANCE(TARGET, name, dt, W)                                                              \
+    TARGET FXA_NOINLINE static void name(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, \
+                                         float *scratch)                                               \
+    {                                                                                                  \
+        fxa_attend_body(kv, a, q, out, scratch, dt, W);                                                \
+    }
+#define FXA_ENTRY(TARGET, name, f16, W)                                                                \
+    FXA_INSTANCE(TARGET, name##_f32, FX_F32, W)                                                        \
+    FXA_INSTANCE(TARGET, name##_f16, f16, W)                                                           \
+    FXA_INSTANCE(TARGET, name##_bf16, FX_BF16, W)                                                      \
+    FXA_INSTANCE(TARGET, name##_i8, FX_I8, W)                                                          \
+    FX_API void name(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch) \
+    {                                                                                                  \
+        switch (kv->dtype) {                                                                           \
+        case FX_F16: name##_f16(kv, a, q, out, scratch); break;                                        \
+        case FX_BF16: name##_bf16(kv, a, q, out, scratch); break;                                      \
+        case FX_I8: name##_i8(kv, a, q, out, scratch); break;                                          \
+        default: name##_f32(kv, a, q, out, scratch); break;                                            \
+        }                                                                                              \
+    }
+
+/* The levels' entry points, same contract as fx_attend. */
+typedef void fxa_entry_fn(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
+FX_API fxa_entry_fn fxa_attend_base;      /* _attn_base.c: always */
+#if FX_ATTN_CLONES
+FX_API fxa_entry_fn fxa_attend_v3;        /* _attn_v3.c */
+#if FXA_HAVE_W16
+FX_API fxa_entry_fn fxa_attend_v4;        /* _attn_v4.c */
+#endif
+#elif FXA_HAVE_W16
+FX_API fxa_entry_fn fxa_attend_base16;    /* _attn_base.c, a build for AVX-512 */
+#endif
+
+#endif /* FX_ATTN_KERNEL_H */
