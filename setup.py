@@ -54,7 +54,7 @@ BUILD = (("debug, AddressSanitizer" if DEBUG else "release") + ": " + " ".join(c
 # The C sources next to the Cython module, the slowest first (a job pool
 # started on them first finishes soonest).
 C_SOURCES = ["ferrox_kv/_attn_base.c", "ferrox_kv/_attn_v4.c", "ferrox_kv/_attn_v3.c",
-             "ferrox_kv/_conv.c", "ferrox_kv/_attn.c"]
+             "ferrox_kv/_conv.c", "ferrox_kv/_attn.c", "ferrox_kv/_workers.c"]
 
 
 def _build_jobs(parallel):

@@ -28,10 +28,12 @@ from ferrox_kv._core import (
     attend_gil_release_threshold,
     attend_many,
     build_info,
+    get_num_threads,
     gil_release_threshold,
     push_layers,
     set_attend_gil_release_threshold,
     set_gil_release_threshold,
+    set_num_threads,
     simd_path,
 )
 
@@ -45,10 +47,12 @@ __all__ = [
     "attend_gil_release_threshold",
     "attend_many",
     "build_info",
+    "get_num_threads",
     "gil_release_threshold",
     "push_layers",
     "set_attend_gil_release_threshold",
     "set_gil_release_threshold",
+    "set_num_threads",
     "simd_path",
     "__version__",
 ]

@@ -65,22 +65,85 @@ cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
         kv.v_block = p.v_block
 
 
-cdef void _attend_each(const fx_kv* kvs, fx_attn_args* a, const Py_ssize_t* st,
-                       Py_ssize_t n, const float* q, size_t q_stride, float* out,
-                       size_t o_stride, float* scratch) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        a.start = st[i] if st != NULL else 0
-        fx_attend(&kvs[i], a, q + <size_t>i * q_stride, out + <size_t>i * o_stride, scratch)
+# The threads attention may use (the caller included), as set_num_threads
+# sets them; the count the last call used (tests).
+cdef int _last_threads = 1
+
+
+def _env_threads():
+    """The default thread count: FERROX_KV_NUM_THREADS, else the CPUs this
+    process may run on."""
+    import os
+    env = os.environ.get("FERROX_KV_NUM_THREADS")
+    if env is not None:
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ValueError("FERROX_KV_NUM_THREADS must be a positive integer (threads "
+                             f"attention may use), got {env!r}")
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _thread_count(n, what):
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"{what} must be a positive int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"{what} must be >= 1, got {n}")
+    return min(n, 1 << 16)
+
+
+def set_num_threads(n):
+    """Set the threads ``attend`` and ``attend_many`` may use, the calling
+    thread included (an int >= 1; above the CPU count is allowed, the extra
+    threads then share CPUs); returns the previous count. The default is
+    ``FERROX_KV_NUM_THREADS`` or the CPUs the process may run on. Worker
+    threads are created on first use and shared by every calling thread."""
+    return fx_workers_set(<int>_thread_count(n, "the thread count"))
+
+
+def get_num_threads():
+    """The threads ``attend`` and ``attend_many`` may use, the calling
+    thread included."""
+    return fx_workers_get()
+
+
+def _attend_threads_used():
+    """Threads the last attention call split over (1: not split)."""
+    return _last_threads
+
+
+def _worker_threads_alive():
+    """Worker threads alive in this process (created on first use)."""
+    return fx_workers_alive()
+
+
+def _set_attend_split(Py_ssize_t split_bytes, Py_ssize_t chunk_rows):
+    """Test hook: split calls over at least ``split_bytes`` context bytes,
+    decode chunks of at least ``chunk_rows`` rows ((0, 1) splits every call
+    that has two threads); returns the old pair."""
+    cdef Py_ssize_t b, r
+    if split_bytes < 0 or chunk_rows < 1:
+        raise ValueError("split_bytes must be >= 0 and chunk_rows >= 1")
+    fx_attend_get_split(&b, &r)
+    fx_attend_set_split(split_bytes, chunk_rows)
+    return (b, r)
+
+
+fx_workers_set(<int>_env_threads())
 
 
 cdef object _attend_call(tuple cl, object q, object scale, object window, object out,
-                         object start, bint batched):
+                         object start, bint batched, object threads=None):
     """attend (one cache, q (n_heads, d) or (q_len, n_heads, d)) and
     attend_many (B caches, q (B, q_len, n_heads, d))."""
     # 1. convert every argument (user code may run here), before any claim
     cdef cnp.ndarray qa = _f32(q, "q")
-    cdef Py_ssize_t n = len(cl), i, b, win = 0, q_len, nh, hd, lead
+    cdef Py_ssize_t n = len(cl), i, b, win = 0, q_len, nh, hd, lead, split_bytes, chunk_rows
+    cdef int nthreads = fx_workers_get(), rc = 0
+    if threads is not None:
+        nthreads = min(nthreads, <int>_thread_count(threads, "threads"))
     cdef double sc = 0.0
     cdef bint has_scale = scale is not None
     if has_scale:
@@ -108,7 +171,6 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     cdef KvCache c0 = <KvCache>cl[0]
     cdef fx_kv* kvs = NULL
     cdef fx_attn_args a
-    cdef float* scratch = NULL
     cdef float* tmp = NULL
     cdef float* qp
     cdef float* op
@@ -171,7 +233,6 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         a.scale = <float>(sc if has_scale else 1.0 / sqrt(<double>c0.head_dim))
         a.window = win
         kvs = <fx_kv*>malloc(<size_t>n * sizeof(fx_kv))
-        scratch = <float*>malloc(fx_attend_scratch_floats(&a) * sizeof(float) + 64)
         q_stride = <size_t>(a.q_len * nh * hd)
         o_stride = <size_t>(a.q_len * nh * c0.v_head_dim)
         o_bytes = <size_t>cnp.PyArray_NBYTES(oa)
@@ -187,7 +248,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                 out_reads = True
         if out_reads:
             tmp_out = <float*>malloc(o_bytes + 4)
-        if (kvs == NULL or scratch == NULL or (aliased and tmp == NULL)
+        if (kvs == NULL or (aliased and tmp == NULL)
                 or (out_reads and tmp_out == NULL)):
             raise MemoryError()
         if aliased:
@@ -202,16 +263,22 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                 raise MemoryError()
             for i in range(n):
                 st[i] = <Py_ssize_t>min(starts[i], cs[i].len)
-        if <Py_ssize_t>ctx_bytes >= _attend_release_bytes:
+        fx_attend_get_split(&split_bytes, &chunk_rows)
+        if nthreads > 1 and <Py_ssize_t>ctx_bytes < split_bytes:
+            nthreads = 1
+        global _last_threads
+        _last_threads = nthreads
+        if <Py_ssize_t>ctx_bytes >= _attend_release_bytes or nthreads > 1:
             with nogil:
-                _attend_each(kvs, &a, st, n, qp, q_stride, op, o_stride, scratch)
+                rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads)
         else:
-            _attend_each(kvs, &a, st, n, qp, q_stride, op, o_stride, scratch)
+            rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, 1)
+        if rc != 0:
+            raise MemoryError()
         if tmp_out != NULL:
             memcpy(cnp.PyArray_DATA(oa), tmp_out, o_bytes)
     finally:
         free(kvs)
-        free(scratch)
         free(tmp)
         free(tmp_out)
         free(st)
@@ -219,7 +286,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     return oa
 
 
-def attend_many(caches, q, *, scale=None, window=None, out=None, start=None):
+def attend_many(caches, q, *, scale=None, window=None, out=None, start=None, threads=None):
     """Causal attention for a batch: ``q`` shaped ``(B, q_len, n_heads,
     head_dim)`` against ``B`` caches of one geometry, each with its own
     length; returns ``(B, q_len, n_heads, v_head_dim)`` float32. Sequence b's
@@ -227,5 +294,7 @@ def attend_many(caches, q, *, scale=None, window=None, out=None, start=None):
     ``start`` (B integers) is each sequence's first visible position, for
     left-padded batches: positions before it are never attended. ``scale``
     and ``out`` as in ``KvCache.attend``. One call, one GIL release: the
-    decode step of a batch."""
-    return _attend_call(tuple(caches), q, scale, window, out, start, True)
+    decode step of a batch, split over at most ``threads`` threads (default
+    ``get_num_threads()``) by sequences first, then kv heads and chunks of
+    the context."""
+    return _attend_call(tuple(caches), q, scale, window, out, start, True, threads)

@@ -1,7 +1,9 @@
 /* _attn.c -- the attention kernel's entry points (_attn.h): which level's
  * instantiation runs (_attn_base.c, _attn_v3.c, _attn_v4.c), the scratch
  * size, and the names of the paths for simd_path(). */
+#include <stdlib.h>
 #include "_attn_kernel.h"
+#include "_workers.h"
 
 /* The knobs of fx_attend_set_max_width and fx_attend_set_max_level. */
 static int fxa_max_width = 16, fxa_max_level = 4;
@@ -113,4 +115,181 @@ FX_API const char *fx_attend_load_path(int dtype)
     case FX_I8: return "int8: widen x group scale";
     default: return NULL;
     }
+}
+
+/* ---- fx_attend_batch: one call's sequences split over the worker pool ---- */
+
+/* Tunables of the split (fx_attend_set_split): calls over fewer context
+   bytes than split_bytes run on the caller alone; a context chunk of a
+   decode holds at least chunk_rows rows. */
+static ptrdiff_t fxp_split_bytes = 262144, fxp_chunk_rows = 256;
+
+FX_API void fx_attend_set_split(ptrdiff_t split_bytes, ptrdiff_t chunk_rows)
+{
+    __atomic_store_n(&fxp_split_bytes, split_bytes < 0 ? 0 : split_bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&fxp_chunk_rows, chunk_rows < 1 ? 1 : chunk_rows, __ATOMIC_RELAXED);
+}
+FX_API void fx_attend_get_split(ptrdiff_t *split_bytes, ptrdiff_t *chunk_rows)
+{
+    *split_bytes = __atomic_load_n(&fxp_split_bytes, __ATOMIC_RELAXED);
+    *chunk_rows = __atomic_load_n(&fxp_chunk_rows, __ATOMIC_RELAXED);
+}
+
+typedef struct {
+    const fx_kv *kvs;
+    const ptrdiff_t *starts;
+    fx_attn_args a;            /* the call's arguments; start per sequence */
+    const float *q;
+    size_t q_stride, o_stride; /* floats per sequence */
+    float *out;
+    int hg, nhg;               /* kv heads per unit, head groups per sequence */
+    ptrdiff_t qb, nqb;         /* query positions per unit, query blocks per sequence */
+    ptrdiff_t nch;             /* context chunks of a decode (1: none) */
+    float *scratch;            /* per slot */
+    size_t scratch_floats;
+    float *part;               /* nch chunks x n_heads x (v_head_dim + 2) per sequence */
+} fxp_call;
+
+/* Rows a decode's query sees: [lo, len). */
+static ptrdiff_t fxp_visible_lo(const fxp_call *c, ptrdiff_t s)
+{
+    const ptrdiff_t len = c->kvs[s].len;
+    ptrdiff_t lo = c->starts ? c->starts[s] : 0;
+    if (c->a.window > 0 && len - c->a.window > lo) lo = len - c->a.window;
+    return lo;
+}
+
+/* Unit u: sequence, query block, head group and context chunk, in that
+   order of significance (chunk fastest). */
+static void fxp_unit(void *ctx, ptrdiff_t u, int slot)
+{
+    const fxp_call *c = (const fxp_call *)ctx;
+    const ptrdiff_t ch = u % c->nch, hg = (u / c->nch) % c->nhg, qb = u / (c->nch * c->nhg) % c->nqb;
+    const ptrdiff_t s = u / (c->nch * c->nhg * c->nqb);
+    const int H = c->a.n_heads, hd = c->a.head_dim, dv = c->a.v_head_dim;
+    fx_kv kv = c->kvs[s];
+    fx_attn_args a = c->a;
+    const ptrdiff_t t0 = qb * c->qb, t1 = t0 + c->qb < a.q_len ? t0 + c->qb : a.q_len;
+    const float *q = c->q + (size_t)s * c->q_stride + (size_t)t0 * H * hd;
+    float *out = c->out + (size_t)s * c->o_stride + (size_t)t0 * H * dv;
+    a.start = c->starts ? c->starts[s] : 0;
+    a.kv_lo = (int)hg * c->hg;
+    a.kv_hi = a.kv_lo + c->hg < a.n_kv_heads ? a.kv_lo + c->hg : a.n_kv_heads;
+    /* queries [t0, t1) see no row past position len - q_len + t1 - 1 */
+    kv.len = kv.len - a.q_len + t1;
+    a.q_len = t1 - t0;
+    if (c->nch > 1) { /* a decode: chunk ch of the visible rows, merged by fxp_merge */
+        const ptrdiff_t lo = fxp_visible_lo(c, s), n = kv.len - lo;
+        float *part = c->part + ((size_t)s * (size_t)c->nch + (size_t)ch) * (size_t)H * (size_t)(dv + 2);
+        a.row_lo = lo + n * ch / c->nch;
+        a.row_hi = lo + n * (ch + 1) / c->nch;
+        a.ml = part + (size_t)H * dv;
+        out = part;
+    }
+    fx_attend(&kv, &a, q, out, c->scratch + (size_t)slot * c->scratch_floats);
+}
+
+/* A decode's chunks, combined in chunk order: out = sum_c w_c acc_c /
+   sum_c w_c l_c, w_c = 2^((m_c - M) f), M the largest m_c.  The chunks
+   cover the visible rows, so every query sees a row; M = -inf (every score
+   -inf or NaN) gives NaN, as the unsplit kernel does. */
+static void fxp_merge(const fxp_call *c, ptrdiff_t s)
+{
+    const int H = c->a.n_heads, dv = c->a.v_head_dim;
+    const size_t stride = (size_t)H * (size_t)(dv + 2);
+    const float *part = c->part + (size_t)s * (size_t)c->nch * stride;
+    float *out = c->out + (size_t)s * c->o_stride, f;
+    ptrdiff_t ch;
+    int j, d;
+    (void)fxa_exp_scales(c->a.scale, &f);
+    for (j = 0; j < H; j++) {
+        float M = FX_NEG_INF, L = 0.0f, *o = out + (size_t)j * dv;
+        for (ch = 0; ch < c->nch; ch++) {
+            const float m = part[(size_t)ch * stride + (size_t)H * dv + 2 * (size_t)j];
+            M = m > M ? m : M;
+        }
+        for (d = 0; d < dv; d++) o[d] = 0.0f;
+        for (ch = 0; ch < c->nch; ch++) {
+            const float *pc = part + (size_t)ch * stride, *ml = pc + (size_t)H * dv + 2 * (size_t)j;
+            const float w = M == FX_NEG_INF ? 0.0f : fxa_exp2f((ml[0] - M) * f);
+            L += w * ml[1];
+            for (d = 0; d < dv; d++) o[d] += w * pc[(size_t)j * dv + d];
+        }
+        {
+            const float inv = 1.0f / L; /* L = 0 (M = -inf): 0 * inf = NaN */
+            for (d = 0; d < dv; d++) o[d] *= inv;
+        }
+    }
+}
+
+FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                           const float *q, size_t q_stride, float *out, size_t o_stride, int threads)
+{
+    fxp_call c;
+    ptrdiff_t split_bytes, chunk_rows, s, units, want;
+    size_t bytes = 0;
+    int slots;
+    fx_attend_get_split(&split_bytes, &chunk_rows);
+    for (s = 0; s < n; s++) {
+        bytes += (size_t)kvs[s].len * (kvs[s].k_row + kvs[s].v_row);
+    }
+    memset(&c, 0, sizeof c);
+    c.kvs = kvs;
+    c.starts = starts;
+    c.a = *a;
+    c.q = q;
+    c.out = out;
+    c.q_stride = q_stride;
+    c.o_stride = o_stride;
+    c.hg = a->n_kv_heads;
+    c.nhg = 1;
+    c.qb = a->q_len;
+    c.nqb = 1;
+    c.nch = 1;
+    if (threads > fx_workers_get()) threads = fx_workers_get();
+    if (threads < 2 || bytes < (size_t)split_bytes) threads = 1;
+    /* about 4 units per thread, split over sequences, then kv heads, then
+       query blocks of >= 16 positions (prefill) or context chunks of >=
+       chunk_rows rows (decode, q_len 1) */
+    want = 4 * (ptrdiff_t)threads;
+    if (threads > 1 && n < want) {
+        const ptrdiff_t per_seq = (want + n - 1) / n;
+        c.nhg = per_seq < a->n_kv_heads ? (int)per_seq : a->n_kv_heads;
+        c.hg = (a->n_kv_heads + c.nhg - 1) / c.nhg;
+        c.nhg = (a->n_kv_heads + c.hg - 1) / c.hg;
+        if ((ptrdiff_t)c.nhg * n < want) {
+            const ptrdiff_t more = (want + (ptrdiff_t)c.nhg * n - 1) / ((ptrdiff_t)c.nhg * n);
+            if (a->q_len > 1) {
+                c.nqb = (a->q_len + 15) / 16 < more ? (a->q_len + 15) / 16 : more;
+                c.qb = (a->q_len + c.nqb - 1) / c.nqb;
+                c.nqb = (a->q_len + c.qb - 1) / c.qb;
+            } else {
+                ptrdiff_t vis = -1;
+                for (s = 0; s < n; s++) { /* the shortest visible range bounds the chunk count */
+                    const ptrdiff_t v = kvs[s].len - fxp_visible_lo(&c, s);
+                    if (vis < 0 || v < vis) vis = v;
+                }
+                c.nch = vis / chunk_rows < more ? vis / chunk_rows : more;
+                if (c.nch < 1) c.nch = 1;
+            }
+        }
+    }
+    units = n * c.nqb * c.nhg * c.nch;
+    slots = threads < units ? threads : (int)units;
+    c.scratch_floats = fx_attend_scratch_floats(a);
+    c.scratch = (float *)malloc(((size_t)slots * c.scratch_floats + 16) * sizeof(float));
+    if (c.nch > 1)
+        c.part = (float *)malloc((size_t)n * (size_t)c.nch * (size_t)a->n_heads * (size_t)(a->v_head_dim + 2) *
+                                 sizeof(float));
+    if (c.scratch == NULL || (c.nch > 1 && c.part == NULL)) {
+        free(c.scratch);
+        free(c.part);
+        return -1;
+    }
+    fx_workers_run(fxp_unit, &c, units, slots);
+    if (c.nch > 1)
+        for (s = 0; s < n; s++) fxp_merge(&c, s);
+    free(c.scratch);
+    free(c.part);
+    return 0;
 }

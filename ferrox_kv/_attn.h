@@ -38,6 +38,14 @@ typedef struct {
     float scale;
     ptrdiff_t window;         /* 0: none; else query at position p sees rows p-window+1 .. p */
     ptrdiff_t start;          /* first visible row (left padding); 0 normally */
+    /* A part of the call (fx_attend_batch splits calls this way; all zero:
+       the whole call).  kv heads [kv_lo, kv_hi) only (kv_hi 0: all); rows
+       [row_lo, row_hi) only (row_hi 0: all); with ml, out gets each query
+       vector's unnormalised sum of p.V and ml[2e], ml[2e+1] its running max
+       and sum, e = t * n_heads + query head. */
+    int kv_lo, kv_hi;
+    ptrdiff_t row_lo, row_hi;
+    float *ml;
 } fx_attn_args;
 
 /* Floats of scratch fx_attend needs for these arguments. */
@@ -48,6 +56,25 @@ FX_API size_t fx_attend_scratch_floats(const fx_attn_args *a);
    max(start, window ? p-window+1 : 0) .. p; a query that sees no row gets
    zeros.  scratch: fx_attend_scratch_floats(a) floats, any contents. */
 FX_API void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
+
+/* fx_attend over n sequences (q and out: q_stride and o_stride floats per
+   sequence; starts: each one's start, or NULL for 0), on at most `threads`
+   threads, the caller included (_workers.h).  The split into units of
+   (sequence, query block, kv heads, context chunk) depends only on
+   `threads`, the shapes and fx_attend_set_split, never on how many pool
+   threads are free, so a given count gives the same bits on every run; a
+   split over context chunks (a decode on more threads than sequences x kv
+   heads) equals the unsplit result within float32 rounding.  Returns 0, or
+   -1 when its scratch could not be allocated (nothing was written). */
+FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                           const float *q, size_t q_stride, float *out, size_t o_stride, int threads);
+
+/* The split's sizes: calls over fewer context bytes (K and V rows, all
+   sequences) than split_bytes run on the caller alone; a decode's context
+   chunks hold at least chunk_rows rows.  Tests set (0, 1) to split tiny
+   calls. */
+FX_API void fx_attend_set_split(ptrdiff_t split_bytes, ptrdiff_t chunk_rows);
+FX_API void fx_attend_get_split(ptrdiff_t *split_bytes, ptrdiff_t *chunk_rows);
 
 /* Floats per vector fx_attend uses for these head dims on this CPU: 16
    with AVX-512 when both head dims are multiples of 16, else 8. */

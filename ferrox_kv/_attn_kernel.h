@@ -449,6 +449,17 @@ static inline FX_UNUSED size_t fxa_scratch_floats(const fx_attn_args *a)
            FXA_SCALE_FLOATS(a);
 }
 
+/* How a scale enters the kernel (see the rules at the top): q is
+   multiplied by the returned factor, exponents by *f, so that a score s
+   against the running max m weighs 2^((s - m) f). */
+FX_INLINE float fxa_exp_scales(float scale, float *f)
+{
+    const float c = scale * FX_LOG2E;
+    const int small = c <= 1.0f && c >= -1.0f, finite = c <= 3.4028234e38f && c >= -3.4028234e38f;
+    *f = small ? 1.0f : finite ? (c > 0 ? c : -c) : (float)((scale > 0 ? (double)scale : -(double)scale) * 0.72134752044448170);
+    return small ? c : (c > 0 ? 1.0f : -1.0f) * (finite ? 1.0f : 2.0f);
+}
+
 /* q: (q_len, n_heads, head_dim); out: (q_len, n_heads, v_head_dim), both
    C-contiguous.  Query t sits at position p = len - q_len + t and sees rows
    max(start, window ? p-window+1 : 0) .. p; a query that sees no row gets
@@ -478,21 +489,24 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
     const int hd = a->head_dim, dv = a->v_head_dim;
     const size_t ngk = fx_i8_groups(hd), ngv = fx_i8_groups(dv);
     const ptrdiff_t first = kv->len - a->q_len;
-    const float c = a->scale * FX_LOG2E;
-    /* q is scaled by qscale, exponents by f (see the rules at the top) */
-    const int small = c <= 1.0f && c >= -1.0f, finite = c <= 3.4028234e38f && c >= -3.4028234e38f;
-    const float qscale = small ? c : (c > 0 ? 1.0f : -1.0f) * (finite ? 1.0f : 2.0f);
-    const float f = small ? 1.0f : finite ? (c > 0 ? c : -c) : (float)((a->scale > 0 ? (double)a->scale : -(double)a->scale) * 0.72134752044448170);
+    float f;
+    const float qscale = fxa_exp_scales(a->scale, &f);
     fxa_rows rows, packed;
     ptrdiff_t qb, t0;
     int hb, g0;
 
+    /* the part of the call these arguments ask for (see fx_attn_args) */
+    const int kv_hi = a->kv_hi > 0 ? a->kv_hi : Hkv;
+    const ptrdiff_t rlo = a->row_lo, rhi = a->row_hi > 0 ? a->row_hi : kv->len;
+    const ptrdiff_t vstart = a->start > rlo ? a->start : rlo;
+
     fxa_pass_shape(a, &qb, &hb);
     for (t0 = 0; t0 < a->q_len; t0 += qb)
-        for (g0 = 0; g0 < Hkv; g0 += hb) {
+        for (g0 = a->kv_lo; g0 < kv_hi; g0 += hb) {
             const ptrdiff_t nq = a->q_len - t0 < qb ? a->q_len - t0 : qb;
-            const int nh = Hkv - g0 < hb ? Hkv - g0 : hb;
+            const int nh = kv_hi - g0 < hb ? kv_hi - g0 : hb;
             const ptrdiff_t nvg = nq * G, nv = nvg * nh, p_last = first + t0 + nq - 1;
+            const ptrdiff_t c_last = p_last < rhi - 1 ? p_last : rhi - 1;
             float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
             float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
             float *kt = fb + nv, *krow = kt + (size_t)FX_KT * hd, *vbuf = krow + hd;
@@ -514,20 +528,21 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
             memset(acc, 0, (size_t)nv * dv * sizeof(float));
 
             /* rows any query of this pass sees: lo of the first position .. p_last */
-            lo = a->start;
+            lo = vstart;
             if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
-            for (c0 = lo; c0 <= p_last; c0 += FX_C) {
-                const int n = (int)(p_last + 1 - c0 < FX_C ? p_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
+            for (c0 = lo; c0 <= c_last; c0 += FX_C) {
+                const int n = (int)(c_last + 1 - c0 < FX_C ? c_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
                 int r;
                 fxa_chunk_rows(kv, a, c0, n, &rows, sbuf, dt);
                 /* rows [fa, fb) of this chunk each vector sees */
                 for (h = 0, i = 0; h < nh; h++)
                     for (pos = 0; pos < nq; pos++) {
                         const ptrdiff_t p = first + t0 + pos;
-                        ptrdiff_t vlo = a->start, x, y;
+                        const ptrdiff_t phi = p + 1 < rhi ? p + 1 : rhi;
+                        ptrdiff_t vlo = vstart, x, y;
                         if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
                         x = vlo - c0 < 0 ? 0 : vlo - c0 > n ? n : vlo - c0;
-                        y = p + 1 - c0 < 0 ? 0 : p + 1 - c0 > n ? n : p + 1 - c0;
+                        y = phi - c0 < 0 ? 0 : phi - c0 > n ? n : phi - c0;
                         for (jj = 0; jj < G; jj++, i++) {
                             fa[i] = (float)x;
                             fb[i] = (float)y;
@@ -556,16 +571,22 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
 
             /* out = acc / l, back in (position, head) order; zeros where nothing
                was visible; l = 0 with rows visible (all scores -inf) gives
-               0 * inf = NaN, l = NaN gives NaN */
+               0 * inf = NaN, l = NaN gives NaN.  With a->ml: acc itself,
+               and m, l beside it (a part of a split call, merged later). */
             for (h = 0, i = 0; h < nh; h++)
                 for (pos = 0; pos < nq; pos++) {
-                    const ptrdiff_t p = first + t0 + pos;
-                    ptrdiff_t vlo = a->start;
+                    const ptrdiff_t p = first + t0 + pos, phi = p < rhi - 1 ? p : rhi - 1;
+                    ptrdiff_t vlo = vstart;
                     if (a->window > 0 && p - a->window + 1 > vlo) vlo = p - a->window + 1;
                     for (jj = 0; jj < G; jj++, i++) {
-                        float *dst = out + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * dv;
-                        const float inv = vlo <= p ? 1.0f / ll[i] : 0.0f;
+                        const size_t e = (size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj;
+                        float *dst = out + e * dv;
+                        const float inv = a->ml ? 1.0f : vlo <= phi ? 1.0f / ll[i] : 0.0f;
                         for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
+                        if (a->ml) {
+                            a->ml[2 * e] = mm[i];
+                            a->ml[2 * e + 1] = ll[i];
+                        }
                     }
                 }
         }

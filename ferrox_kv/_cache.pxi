@@ -664,7 +664,7 @@ K and V rows of one sequence in one layer.
 
     # -- attention ------------------------------------------------------------
 
-    def attend(self, q, *, scale=None, window=None, out=None, start=None):
+    def attend(self, q, *, scale=None, window=None, out=None, start=None, threads=None):
         """Causal attention of the cache's last positions, read in place.
 
         ``q`` is ``(n_heads, head_dim)`` for one position (returns
@@ -685,11 +685,16 @@ K and V rows of one sequence in one layer.
         The kernel reads the contiguous buffer, or the pool's blocks through
         the block table, in one pass with an online softmax: no gather,
         nothing of context size allocated, the GIL released for the call
-        when the context is large enough to pay for it. Bad shapes, an empty
-        cache, q_len beyond seq_len, ``window < 1``, a wrong ``out``:
-        ``ValueError``, nothing changed.
+        when the context is large enough to pay for it. A large call is
+        split over at most ``threads`` threads (default and upper bound:
+        ``get_num_threads()``), by kv heads, query blocks and, for a decode
+        on more threads than kv heads, chunks of the context; a given count
+        gives the same result on every run, and any count equals one
+        thread's result within float32 rounding. Bad shapes, an empty
+        cache, q_len beyond seq_len, ``window < 1``, a wrong ``out`` or
+        ``threads``: ``ValueError``, nothing changed.
         """
-        return _attend_call((self,), q, scale, window, out, start, False)
+        return _attend_call((self,), q, scale, window, out, start, False, threads)
 
     # -- shrinking and detaching --------------------------------------------
 

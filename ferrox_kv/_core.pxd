@@ -3,7 +3,8 @@
 # _cache.pxi, _batch.pxi, _attend.pxi); C helpers live in _fx.h (inline),
 # the row conversions in _conv.h / _conv.c and the attention kernel in
 # _attn.h / _attn.c (built once per x86-64 level: _attn_base.c, _attn_v3.c,
-# _attn_v4.c). setup.py compiles those C files next to _core.c.
+# _attn_v4.c), the worker threads in _workers.h / _workers.c. setup.py
+# compiles those C files next to _core.c.
 
 cimport cython
 cimport numpy as cnp
@@ -78,6 +79,18 @@ cdef extern from "_attn.h" nogil:
     const char* fx_attend_load_path(int dtype)
     int fx_attend_set_max_width(int w)
     int fx_attend_set_max_level(int level)
+    int fx_attend_batch(const fx_kv* kvs, const Py_ssize_t* starts, Py_ssize_t n,
+                        const fx_attn_args* a, const float* q, size_t q_stride, float* out,
+                        size_t o_stride, int threads)
+    void fx_attend_set_split(Py_ssize_t split_bytes, Py_ssize_t chunk_rows)
+    void fx_attend_get_split(Py_ssize_t* split_bytes, Py_ssize_t* chunk_rows)
+
+
+# The worker threads that split attention (_workers.h / _workers.c).
+cdef extern from "_workers.h" nogil:
+    int fx_workers_set(int n)
+    int fx_workers_get()
+    int fx_workers_alive()
 
 # A source of rows for cache_write besides FX_F32 / FX_F16 / FX_BF16 values:
 # rows already in the cache's own stored format (its row bytes apart).

@@ -1,6 +1,9 @@
 """KvCache.attend and attend_many against a float64 numpy reference: grouped
 heads, head sizes, block sizes, every kind of cache, causal chunks, windows,
-left padding, large scores, bad input, and threads."""
+left padding, large scores, bad input, and threads. Every test runs three
+times: on one thread, and split over 2 and 3 worker threads with the split
+forced on every call (decode chunks down to one row), so each shape, dtype
+and NaN rule also holds for the split and its merge."""
 import ctypes
 import threading
 from fractions import Fraction
@@ -10,9 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ferrox_kv
 from conftest import DTYPES, stored
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv import _core
+
+@pytest.fixture(scope="module", autouse=True, params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+def attend_threads(request):
+    """The module's tests at this thread count, the split forced on every call."""
+    old_n = ferrox_kv.set_num_threads(request.param)
+    old_split = _core._set_attend_split(0, 1) if request.param > 1 else None
+    yield request.param
+    ferrox_kv.set_num_threads(old_n)
+    if old_split is not None:
+        _core._set_attend_split(*old_split)
+
 
 # every storage dtype: the reference runs over the values the cache stores
 # (rounded to float16 / bfloat16, or int8-dequantised)

@@ -29,6 +29,7 @@
 
 #include "_attn.h"
 #include "_simd.h" /* fxa_exp2, fxa_exp2f: exp_test */
+#include "_workers.h"
 
 
 #define RTOL 1e-5
@@ -90,6 +91,9 @@ typedef struct {
 static const char *dt_name[] = {"f32", "f16", "bf16", "i8"};
 
 static int n_fail, n_run;
+/* 0: every case calls fx_attend; else fx_attend_batch on this many threads
+   with the split forced (every call split, decode chunks down to 1 row) */
+static int batch_threads;
 static double worst, worst_ratio, worst_large;
 
 static int run_case(const tcase *tc, const char *what)
@@ -163,6 +167,7 @@ static int run_case(const tcase *tc, const char *what)
     kv.k = ks; kv.v = vs; kv.table = table; kv.block_size = tc->bs;
     kv.k_block = (size_t)tc->bs * kb_row; kv.v_block = (size_t)tc->bs * vb_row;
     kv.k_row = kb_row; kv.v_row = vb_row; kv.len = len; kv.dtype = dt;
+    memset(&a, 0, sizeof a);
     a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = dv; a.n_heads = H;
     a.q_len = ql; a.scale = tc->scale != 0 ? tc->scale : 1.0f / sqrtf((float)hd);
     a.window = tc->window; a.start = tc->start;
@@ -174,7 +179,14 @@ static int run_case(const tcase *tc, const char *what)
     for (i = 0; i < nout; i++) out[i] = NAN;
     for (i = 0; i < nsc; i++) sc[i] = NAN;
 
-    fx_attend(&kv, &a, q, out, sc);
+    if (batch_threads) {
+        if (fx_attend_batch(&kv, &tc->start, 1, &a, q, 0, out, 0, batch_threads) != 0) {
+            printf("FAIL %s: fx_attend_batch could not allocate\n", what);
+            ok = 0;
+        }
+    } else {
+        fx_attend(&kv, &a, q, out, sc);
+    }
 
     if (!canary_ok(out, nout, PAD) || !canary_ok(sc, nsc, PAD)) {
         printf("FAIL %s: wrote past out/scratch\n", what);
@@ -362,18 +374,27 @@ int main(void)
     /* every code path this build can run on this CPU runs every case: the
        levels' instantiations (x86-64-v4 on 16-float vectors, v3, and with
        TEST_ALL_LEVELS the baseline too) and, without dispatch, both widths */
-    for (wpass = 0; wpass < (int)(sizeof paths / sizeof paths[0]); wpass++) {
-    {
+    for (wpass = 0; wpass <= (int)(sizeof paths / sizeof paths[0]); wpass++) {
+    /* the last pass: the first path again, through fx_attend_batch on 3
+       threads with the split forced, float32 and int8 */
+    batch_threads = wpass == (int)(sizeof paths / sizeof paths[0]) ? 3 : 0;
+    if (batch_threads) {
+        fx_workers_set(3);
+        fx_attend_set_split(0, 1);
+        fx_attend_set_max_level(paths[0][0]);
+        fx_attend_set_max_width(paths[0][1]);
+        printf("split over %d threads: %s\n", batch_threads, fx_attend_simd_path());
+    } else {
         int k, seen = 0;
         fx_attend_set_max_level(paths[wpass][0]);
         fx_attend_set_max_width(paths[wpass][1]);
         for (k = 0; k < n_names; k++) seen |= strcmp(names[k], fx_attend_simd_path()) == 0;
         if (seen) continue;
         names[n_names++] = fx_attend_simd_path();
-    }
     printf("path: %s (16-float vectors where head dims allow: %s)\n", fx_attend_simd_path(),
            fx_attend_width(&probe) == 16 ? "yes" : "no");
-    for (dt = FX_F32; dt <= FX_I8; dt++) {
+    }
+    for (dt = FX_F32; dt <= FX_I8; dt += batch_threads ? FX_I8 - FX_F32 : 1) {
     /* float32: every combination; the other dtypes: every third (each value of each axis still occurs) */
     sub = dt == FX_F32 ? 1 : 3;
 

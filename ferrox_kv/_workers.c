@@ -1,0 +1,171 @@
+/* _workers.c -- the worker pool of _workers.h.  One mutex guards the queue
+ * of jobs that still have units to hand out and the thread counts; units
+ * are taken with an atomic counter, so the lock is held only to join or
+ * leave a job. */
+#include <pthread.h>
+#include <signal.h>
+#include "_workers.h"
+
+typedef struct fxw_job {
+    fx_unit_fn *fn;
+    void *ctx;
+    ptrdiff_t n;            /* units */
+    ptrdiff_t next;         /* atomic: the next unit to take */
+    int slots;              /* atomic: slots handed out (the caller holds 0) */
+    int max_slots;
+    int helpers;            /* pool threads on this job (lock) */
+    struct fxw_job *link;   /* the queue (lock) */
+} fxw_job;
+
+static pthread_mutex_t fxw_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t fxw_wake = PTHREAD_COND_INITIALIZER;   /* pool threads: a job came */
+static pthread_cond_t fxw_left = PTHREAD_COND_INITIALIZER;   /* callers: a helper left */
+static fxw_job *fxw_queue;     /* jobs with units left to hand out (lock) */
+static int fxw_count = 1;      /* threads a call may use, the caller included (atomic) */
+static int fxw_alive;          /* pool threads created in this process (lock) */
+static pthread_once_t fxw_once = PTHREAD_ONCE_INIT;
+
+static void fxw_units(fxw_job *j, int slot)
+{
+    ptrdiff_t u;
+    while ((u = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) < j->n) j->fn(j->ctx, u, slot);
+}
+
+/* First queued job that has units left and room for a helper; drops the
+   jobs that have none left.  Lock held. */
+static fxw_job *fxw_pick(void)
+{
+    fxw_job **pp = &fxw_queue, *j;
+    while ((j = *pp) != NULL) {
+        if (__atomic_load_n(&j->next, __ATOMIC_RELAXED) >= j->n) {
+            *pp = j->link;
+            continue;
+        }
+        if (j->helpers < j->max_slots - 1) return j;
+        pp = &j->link;
+    }
+    return NULL;
+}
+
+static void *fxw_main(void *arg)
+{
+    const int index = (int)(ptrdiff_t)arg; /* 0-based among pool threads */
+    pthread_mutex_lock(&fxw_lock);
+    for (;;) {
+        fxw_job *j = NULL;
+        for (;;) {
+            /* above the count (lowered since): exit, the highest index first,
+               so that the indices of the threads alive stay 0 .. alive - 1 */
+            if (index >= __atomic_load_n(&fxw_count, __ATOMIC_RELAXED) - 1) {
+                if (index == fxw_alive - 1) {
+                    fxw_alive--;
+                    pthread_cond_broadcast(&fxw_wake);
+                    pthread_mutex_unlock(&fxw_lock);
+                    return NULL;
+                }
+            } else if ((j = fxw_pick()) != NULL) {
+                break;
+            }
+            pthread_cond_wait(&fxw_wake, &fxw_lock);
+        }
+        j->helpers++;
+        pthread_mutex_unlock(&fxw_lock);
+        fxw_units(j, __atomic_fetch_add(&j->slots, 1, __ATOMIC_RELAXED));
+        pthread_mutex_lock(&fxw_lock);
+        if (--j->helpers == 0) pthread_cond_broadcast(&fxw_left);
+    }
+}
+
+/* fork: the parent's threads and jobs do not exist in the child. */
+static void fxw_prefork(void) { pthread_mutex_lock(&fxw_lock); }
+static void fxw_parent(void) { pthread_mutex_unlock(&fxw_lock); }
+static void fxw_child(void)
+{
+    fxw_queue = NULL;
+    fxw_alive = 0;
+    pthread_cond_init(&fxw_wake, NULL);
+    pthread_cond_init(&fxw_left, NULL);
+    pthread_mutex_unlock(&fxw_lock);
+}
+static void fxw_init(void) { pthread_atfork(fxw_prefork, fxw_parent, fxw_child); }
+
+/* Creates pool threads up to want (lock held); stops at the first failure,
+   leaving the work to fewer threads. */
+static void fxw_grow(int want)
+{
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* the new threads block every signal */
+    while (fxw_alive < want) {
+        pthread_t t;
+        pthread_attr_t at;
+        int rc;
+        if (pthread_attr_init(&at) != 0) break;
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        rc = pthread_create(&t, &at, fxw_main, (void *)(ptrdiff_t)fxw_alive);
+        pthread_attr_destroy(&at);
+        if (rc != 0) break;
+        fxw_alive++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots)
+{
+    fxw_job j;
+    const int count = __atomic_load_n(&fxw_count, __ATOMIC_RELAXED);
+    int used;
+    if (max_slots > count) max_slots = count;
+    if ((ptrdiff_t)max_slots > n_units) max_slots = (int)n_units;
+    j.fn = fn;
+    j.ctx = ctx;
+    j.n = n_units;
+    j.next = 0;
+    j.slots = 1;
+    j.max_slots = max_slots;
+    j.helpers = 0;
+    if (max_slots <= 1) {
+        fxw_units(&j, 0);
+        return 1;
+    }
+    pthread_once(&fxw_once, fxw_init);
+    pthread_mutex_lock(&fxw_lock);
+    if (fxw_alive < count - 1) fxw_grow(count - 1);
+    j.link = fxw_queue;
+    fxw_queue = &j;
+    pthread_cond_broadcast(&fxw_wake);
+    pthread_mutex_unlock(&fxw_lock);
+
+    fxw_units(&j, 0);
+
+    pthread_mutex_lock(&fxw_lock);
+    { /* no new helper may join once the job is off the queue */
+        fxw_job **pp = &fxw_queue;
+        while (*pp != NULL && *pp != &j) pp = &(*pp)->link;
+        if (*pp == &j) *pp = j.link;
+    }
+    while (j.helpers > 0) pthread_cond_wait(&fxw_left, &fxw_lock);
+    pthread_mutex_unlock(&fxw_lock);
+    used = __atomic_load_n(&j.slots, __ATOMIC_RELAXED);
+    return used < max_slots ? used : max_slots;
+}
+
+FX_API int fx_workers_set(int n)
+{
+    int old;
+    pthread_mutex_lock(&fxw_lock);
+    old = __atomic_exchange_n(&fxw_count, n < 1 ? 1 : n, __ATOMIC_RELAXED);
+    pthread_cond_broadcast(&fxw_wake); /* threads above the new count exit */
+    pthread_mutex_unlock(&fxw_lock);
+    return old;
+}
+FX_API int fx_workers_get(void) { return __atomic_load_n(&fxw_count, __ATOMIC_RELAXED); }
+
+FX_API int fx_workers_alive(void)
+{
+    int n;
+    pthread_mutex_lock(&fxw_lock);
+    n = fxw_alive;
+    pthread_mutex_unlock(&fxw_lock);
+    return n;
+}

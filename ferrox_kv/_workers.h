@@ -1,0 +1,40 @@
+/* _workers.h -- the core's worker threads: a call splits its work into
+ * units, runs them on the calling thread and on whichever pool threads are
+ * free, and returns when every unit is done.
+ *
+ * Rules
+ *   - The pool holds at most fx_workers_get() - 1 threads, created lazily,
+ *     shared by every caller: 16 callers at once still run on at most that
+ *     many pool threads, and a caller that finds none free runs its units
+ *     itself.  Which thread runs a unit never changes the result: a unit
+ *     writes only its own outputs.
+ *   - Pool threads never touch Python: they run C unit functions only, with
+ *     every signal blocked.  A caller releases the GIL before it calls in.
+ *   - fork: the child starts with no pool threads and no queued work (they
+ *     belong to the parent); its next call creates threads anew.
+ */
+#ifndef FX_WORKERS_H
+#define FX_WORKERS_H
+
+#include <stddef.h>
+#include "_conv.h"
+
+/* One unit of a job: slot is the running thread's index in this job, in
+   [0, max_slots): 0 for the caller, so a unit can use per-slot scratch. */
+typedef void fx_unit_fn(void *ctx, ptrdiff_t unit, int slot);
+
+/* Runs fn(ctx, u, slot) for every u in [0, n_units), on the caller and at
+   most max_slots - 1 pool threads.  Returns the number of slots that ran a
+   unit (1: the caller alone). */
+FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots);
+
+/* Threads a call may use, the caller included (>= 1); returns the old
+   count.  Lowering it ends the pool threads above the new count (each
+   after the unit it is running). */
+FX_API int fx_workers_set(int n);
+FX_API int fx_workers_get(void);
+
+/* Pool threads alive in this process (tests). */
+FX_API int fx_workers_alive(void);
+
+#endif /* FX_WORKERS_H */
