@@ -88,6 +88,8 @@ cdef extern from "_attn.h" nogil:
 
 # The worker threads that split attention (_workers.h / _workers.c).
 cdef extern from "_workers.h" nogil:
+    ctypedef void fx_unit_fn(void* ctx, Py_ssize_t unit, int slot) noexcept nogil
+    int fx_workers_run(fx_unit_fn* fn, void* ctx, Py_ssize_t n_units, int max_slots)
     int fx_workers_set(int n)
     int fx_workers_get()
     int fx_workers_alive()

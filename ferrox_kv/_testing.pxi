@@ -91,24 +91,73 @@ cdef float _read_cache(Cache* c) noexcept nogil:
     return acc
 
 
-def _read_floor(caches, Py_ssize_t repeat=1):
+ctypedef struct _FloorRuns:
+    const float** p           # each run's first K float, then its first V float
+    Py_ssize_t* n             # floats of each
+    float* acc                # one sum per slot, 16 floats apart
+    Py_ssize_t runs
+
+
+cdef void _floor_unit(void* ctx, Py_ssize_t u, int slot) noexcept nogil:
+    cdef _FloorRuns* f = <_FloorRuns*>ctx
+    f.acc[16 * slot] += fx_read_rows(f.p[u], 1, f.n[u], 0)
+
+
+def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
     """The read-bandwidth floor of attention: read every stored K and V byte
     of each cache's context once (as floats; the last bytes of a run of rows
-    whose bytes are not a multiple of 4 are skipped) (through its block table when pooled), ``repeat``
-    times, in C without the GIL. Returns the sum (so nothing is optimised
-    away)."""
+    whose bytes are not a multiple of 4 are skipped) (through its block table
+    when pooled), ``repeat`` times, in C without the GIL; on ``threads``
+    threads (the worker pool, as attention uses it) the runs of rows are
+    shared out. Returns the sum (so nothing is optimised away)."""
     cdef tuple cl = tuple(caches)
-    cdef Py_ssize_t n = len(cl), i, k
+    cdef Py_ssize_t n = len(cl), i, k, r, m, total = 0
     cdef Cache** cs = _claim_all(cl, "caches")
     cdef float acc = 0
+    cdef _FloorRuns f
+    f.p = NULL
+    f.n = NULL
+    f.acc = NULL
     try:
+        if threads <= 1:
+            with nogil:
+                for k in range(repeat):
+                    for i in range(n):
+                        acc += _read_cache(cs[i])
+            return acc
+        for i in range(n):
+            r = 0
+            while r < cs[i].len:
+                r += _run(cs[i], r, cs[i].len)
+                total += 2
+        f.p = <const float**>malloc(<size_t>(total + 1) * sizeof(float*))
+        f.n = <Py_ssize_t*>malloc(<size_t>(total + 1) * sizeof(Py_ssize_t))
+        f.acc = <float*>calloc(<size_t>(16 * threads), sizeof(float))
+        if f.p == NULL or f.n == NULL or f.acc == NULL:
+            raise MemoryError()
+        f.runs = 0
+        for i in range(n):
+            r = 0
+            while r < cs[i].len:
+                m = _run(cs[i], r, cs[i].len)
+                f.p[f.runs] = <const float*>_k_row(cs[i], r)
+                f.n[f.runs] = <Py_ssize_t>(m * cs[i].k_row // 4)
+                f.p[f.runs + 1] = <const float*>_v_row(cs[i], r)
+                f.n[f.runs + 1] = <Py_ssize_t>(m * cs[i].v_row // 4)
+                f.runs += 2
+                r += m
         with nogil:
             for k in range(repeat):
-                for i in range(n):
-                    acc += _read_cache(cs[i])
+                fx_workers_run(_floor_unit, &f, f.runs, threads)
+        for k in range(threads):
+            acc += f.acc[16 * k]
+        return acc
     finally:
+        free(f.p)
+        free(f.n)
+        free(f.acc)
         _release_all(cs, n)
-    return acc
+
 
 
 def _convert_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t n_heads,

@@ -250,7 +250,10 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     the mask SDPA would get (see the module docstring). query (B, H, q_len, D)
     -> (B, q_len, H, D). A layer with ``attend_packed(query, scale, window)``
     (several sequences' positions packed in batch 1: ``ferrox_kv.serve``'s
-    step) attends for itself, by the same kernel, whatever the mask."""
+    step) attends for itself, by the same kernel, whatever the mask. The
+    kernel uses at most ``torch.get_num_threads()`` threads (and at most
+    ``ferrox_kv.get_num_threads()``), so ``torch.set_num_threads(k)`` limits
+    both."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
     packed = getattr(layer, "attend_packed", None)
@@ -276,7 +279,8 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             if starts is not None or mask.padding is None:
                 q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
                 out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling,
-                                                   window=sliding_window, start=starts))
+                                                   window=sliding_window, start=starts,
+                                                   threads=torch.get_num_threads()))
                 return out.to(device=query.device, dtype=query.dtype), None
         if not fresh:                                     # update handed back placeholders
             key, value = layer._gather()

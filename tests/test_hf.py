@@ -692,3 +692,29 @@ def test_a_dropped_cache_gives_its_blocks_back_without_the_garbage_collector(mod
         assert pool.free_blocks == 64
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_the_ferrox_attention_uses_at_most_torchs_thread_count(torch_threads):
+    """torch.set_num_threads(k) limits the ferrox attention too (the split
+    forced on every call, so any count above one would show); the tokens
+    stay DynamicCache's."""
+    import ferrox_kv
+    from ferrox_kv import _core
+    cfg, cls = _llama()
+    torch.manual_seed(1234)
+    m = cls(cfg).eval()
+    m.generation_config.pad_token_id = 0
+    m.set_attn_implementation("ferrox")
+    old = (torch.get_num_threads(), ferrox_kv.set_num_threads(3), _core._set_attend_split(0, 1))
+    try:
+        torch.set_num_threads(torch_threads)
+        ids = _prompt()
+        ref = _reference(m, ids, max_new_tokens=8)
+        got = _gen(m, ids, FerroxCache(m.config), max_new_tokens=8)
+        assert _core._attend_threads_used() == torch_threads
+        assert torch.equal(ref, got)
+    finally:
+        torch.set_num_threads(old[0])
+        ferrox_kv.set_num_threads(old[1])
+        _core._set_attend_split(*old[2])

@@ -72,22 +72,43 @@ def have_matplotlib():
     return try_import("matplotlib") is not None
 
 
-class Torch1:
-    """torch on one thread for the block (the attention and hf groups compare
-    one thread of ferrox with one thread of torch); restored after."""
+class Threads:
+    """torch and ferrox_kv's attention both on ``n`` threads for the block
+    (every comparison runs the baseline at the thread count of the row it is
+    compared with); both restored after. The context value is torch, or
+    None without it."""
 
-    def __init__(self):
+    def __init__(self, n=1):
+        self.n = n
         self.torch = try_import("torch")
 
     def __enter__(self):
+        import ferrox_kv
+        self.old_ferrox = ferrox_kv.set_num_threads(self.n)
         if self.torch is not None:
             self.old = self.torch.get_num_threads()
-            self.torch.set_num_threads(1)
+            self.torch.set_num_threads(self.n)
         return self.torch
 
     def __exit__(self, *exc):
+        import ferrox_kv
+        ferrox_kv.set_num_threads(self.old_ferrox)
         if self.torch is not None:
             self.torch.set_num_threads(self.old)
+
+
+class Torch1(Threads):
+    """One thread of torch and one of ferrox_kv for the block."""
+
+    def __init__(self):
+        super().__init__(1)
+
+
+def thread_counts(args):
+    """The thread counts the attention and hf rows run at: 1 and the
+    bench's ``--threads`` (the CPUs by default), when that is more."""
+    n = getattr(args, "threads", 1) or 1
+    return [1] if n <= 1 else [1, n]
 
 
 # ---------------------------------------------------------------------------

@@ -84,7 +84,8 @@ def add_arguments(ap):
                     help=f"draw per-token cost against context, push and extend against "
                     f"their floors (needs matplotlib: {PLOT_INSTALL})")
     ap.add_argument("--threads", type=int, default=max(2, os.cpu_count() or 2),
-                    help="most threads in the threads group (default: CPU count, at least 2)")
+                    help="most threads in the threads group, and the N of the attention and hf "
+                         "rows taken at 1 and N threads (default: CPU count, at least 2)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append",
                     help="run only this geometry (repeatable); default: all three")
     ap.add_argument("--groups", type=_group_list, default=list(GROUPS),

@@ -57,7 +57,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds running requests get to finish after SIGTERM (30)")
     ap.add_argument("--torch-threads", type=int, default=None,
-                    help="torch.set_num_threads (default: torch's)")
+                    help="threads of torch and of ferrox_kv's attention (torch.set_num_threads "
+                         "and ferrox_kv.set_num_threads; default: each one's own)")
     ap.add_argument("--make-tiny", action="store_true",
                     help="first write a tiny random Llama and tokenizer at MODEL_DIR if it does "
                          "not exist (ferrox_kv.serve.tiny), to try the server offline")
@@ -84,8 +85,11 @@ def load(args):
     if not os.path.isdir(args.model_dir):
         raise SystemExit(f"ferrox-kv serve: {args.model_dir!r} is not a directory; pass the path "
                          "of a checkpoint saved with save_pretrained (model and tokenizer)")
-    if args.torch_threads:
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise SystemExit(f"ferrox-kv serve: --torch-threads must be >= 1, got {args.torch_threads}")
         torch.set_num_threads(args.torch_threads)
+        ferrox_kv.set_num_threads(args.torch_threads)
     model = AutoModelForCausalLM.from_pretrained(
         args.model_dir, attn_implementation=ATTENTION, dtype=getattr(torch, args.dtype),
         local_files_only=True).eval()

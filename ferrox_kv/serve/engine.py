@@ -216,7 +216,7 @@ class _StepLayer(CacheLayerMixin):
             n = len(seqs)
             shape = (n, (b - a) // n)
             attend_many(seqs, q[a:b].reshape(shape + q.shape[1:]), scale=scale, window=window,
-                        out=out[a:b].reshape(shape + out.shape[1:]))
+                        out=out[a:b].reshape(shape + out.shape[1:]), threads=torch.get_num_threads())
 
         self._by_sequence(one)
         return torch.from_numpy(out)[None]

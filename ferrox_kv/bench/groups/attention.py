@@ -1,13 +1,16 @@
 """Group attention: decode attention (one query position, 32 query heads over
 8 KV heads x 128) read in place from a pooled cache, against torch SDPA on
-contiguous tensors, a gather + SDPA, and the read floor; a causal chunk; and
-``attend_many`` from 2 threads against the read floor from 2 threads."""
+contiguous tensors, a gather + SDPA, and the read floor; a causal chunk; a
+batch of 8 sequences; and ``attend_many`` from 2 Python threads against the
+read floor from 2 threads. Every row runs at 1 thread and at N (the
+bench's ``--threads``), with torch and the read floor at the same count:
+a row's ``threads`` field says which."""
 import numpy as np
 
 import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (ATTN_DIM, ATTN_HEADS, ATTN_KV_HEADS, BLOCK_SIZE, Group,
-                                    Torch1, log)
+                                    Threads, log, thread_counts)
 from ferrox_kv.bench.harness import best_of, loops_for, scaling
 from ferrox_kv.bench.targets import Figure, Target
 
@@ -18,12 +21,15 @@ def _causal_mask(torch, q_len, kv_len):
     return torch.arange(kv_len).view(1, -1) <= qpos
 
 
-def bench_attention(res, contexts, reps, target_s, chunk, torch):
+def bench_attention(res, contexts, reps, target_s, chunk, torch, threads=1):
     """Decode attention (one query position, 32 heads over 8 KV heads x 128)
     over a pooled KvCache, against torch SDPA on contiguous tensors of the
     same data, a gather + SDPA, and the read floor; a causal chunk; and
-    attend_many from 2 threads against the read floor from 2 threads."""
+    attend_many from 2 threads against the read floor from 2 threads. On
+    ``threads`` threads (torch and the floor too); the 2-Python-thread rows
+    at 1 only."""
     H, KVH, D = ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM
+    tag = "" if threads == 1 else f"[{threads} threads] "
     geo = "llama8b"
     g = "attention"
     F = torch.nn.functional if torch is not None else None
@@ -45,7 +51,7 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch):
         n = loops_for(attend_once, target_s)
         variants = [
             ("attend", lambda: None, lambda _: [cache.attend(q) for _ in range(n)]),
-            ("floor", lambda: None, lambda _: _core._read_floor([cache], n)),
+            ("floor", lambda: None, lambda _: _core._read_floor([cache], n, threads)),
         ]
         diff = None
         if torch is not None:
@@ -85,27 +91,36 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch):
         us = {k: v / n * 1e6 for k, v in best.items()}
         ctx_bytes = T * row_bytes
         gbs = {k: ctx_bytes / (v * 1e-6) / 1e9 for k, v in us.items()}
-        extra = dict(context=T, calls=n)
-        res.add(g, geo, "attention.floor", f"read floor: K+V read once, C @ {T}", us["floor"],
+        extra = dict(context=T, calls=n, threads=threads)
+        res.add(g, geo, "attention.floor", tag + f"read floor: K+V read once, C @ {T}", us["floor"],
                 "us/call", read_gbs=gbs["floor"], **extra)
         if torch is not None:
-            res.add(g, geo, "attention.sdpa", f"SDPA, contiguous (1,8,T,128), GQA @ {T}",
+            res.add(g, geo, "attention.sdpa", tag + f"SDPA, contiguous (1,8,T,128), GQA @ {T}",
                     us["sdpa"], "us/call", us["sdpa"] / us["floor"], "read floor", **extra)
-            res.add(g, geo, "attention.repeat_kv_sdpa", f"repeat_kv + masked SDPA @ {T}",
+            res.add(g, geo, "attention.repeat_kv_sdpa", tag + f"repeat_kv + masked SDPA @ {T}",
                     us["repeat_kv_sdpa"], "us/call", us["repeat_kv_sdpa"] / us["sdpa"], "SDPA",
                     **extra)
-            res.add(g, geo, "attention.gather_sdpa", f"gather .k/.v + SDPA @ {T}",
+            res.add(g, geo, "attention.gather_sdpa", tag + f"gather .k/.v + SDPA @ {T}",
                     us["gather_sdpa"], "us/call", us["gather_sdpa"] / us["sdpa"], "SDPA",
                     **extra)
-            res.add(g, geo, "attention.attend.vs_sdpa", f"attend, pooled, in place @ {T}",
+            res.add(g, geo, "attention.attend.vs_sdpa", tag + f"attend, pooled, in place @ {T}",
                     us["attend"], "us/call", us["attend"] / us["sdpa"], "SDPA",
                     max_abs_diff=diff, read_gbs=gbs["attend"], **extra)
-            res.add(g, geo, "attention.attend.vs_gather", f"attend, pooled, in place @ {T}",
+            res.add(g, geo, "attention.attend.vs_gather", tag + f"attend, pooled, in place @ {T}",
                     us["attend"], "us/call", us["gather_sdpa"] / us["attend"],
                     "speed-up over gather+SDPA", better="higher", **extra)
-        res.add(g, geo, "attention.attend.vs_floor", f"attend, pooled, in place @ {T}",
+        res.add(g, geo, "attention.attend.vs_floor", tag + f"attend, pooled, in place @ {T}",
                 us["attend"], "us/call", us["attend"] / us["floor"], "read floor",
                 read_gbs=gbs["attend"], **extra)
+
+        if threads > 1:
+            one = res.find("attention.attend.vs_floor", context=T, threads=1)
+            if one is not None:
+                res.add(g, geo, "attention.attend.vs_1thread", tag + f"attend vs 1 thread @ {T}",
+                        us["attend"], "us/call", us["attend"] / one["value"], "1 thread", **extra)
+            cache.close()
+            assert pool.free_blocks == pool.total_blocks
+            continue
 
         # -- 2 threads, each attending its own cache on the shared pool --------
         tcaches = [KvCache.with_pool(KVH, D, pool, T) for _ in range(2)]
@@ -137,10 +152,10 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch):
             agg = 2 * loops[name] * ctx_bytes / best2[name, 2] / 1e9
             res.add(g, geo, f"attention.threads2.{name}",
                     f"[2 threads] {'attend_many' if name == 'attend_many' else 'read floor'}"
-                    f" @ {T}", agg, "GB/s", scale[name], "1 thread", threads=2, **extra)
+                    f" @ {T}", agg, "GB/s", scale[name], "1 thread", callers=2, **extra)
         res.add(g, geo, "attention.threads2.vs_floor", f"[2 threads] attend_many scaling @ {T}",
                 scale["attend_many"], "x", scale["attend_many"] / scale["floor"],
-                "floor's 2-thread scaling", threads=2, **extra)
+                "floor's 2-thread scaling", callers=2, **extra)
         for c in tcaches + [cache]:
             c.close()
         assert pool.free_blocks == pool.total_blocks
@@ -164,15 +179,49 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch):
     best = best_of(variants, reps)
     name = f"causal chunk: {q_len} queries over {T}"
     if torch is not None:
-        res.add(g, geo, "attention.chunk.sdpa", f"SDPA, {name}", best["sdpa"] * 1e6, "us/call",
-                context=T, q_len=q_len)
-        res.add(g, geo, "attention.chunk.attend", f"attend, {name}", best["attend"] * 1e6,
+        res.add(g, geo, "attention.chunk.sdpa", tag + f"SDPA, {name}", best["sdpa"] * 1e6, "us/call",
+                context=T, q_len=q_len, threads=threads)
+        res.add(g, geo, "attention.chunk.attend", tag + f"attend, {name}", best["attend"] * 1e6,
                 "us/call", best["attend"] / best["sdpa"], "SDPA, causal mask", context=T,
-                q_len=q_len)
+                q_len=q_len, threads=threads)
     else:
-        res.add(g, geo, "attention.chunk.attend", f"attend, {name}", best["attend"] * 1e6,
-                "us/call", context=T, q_len=q_len)
+        res.add(g, geo, "attention.chunk.attend", tag + f"attend, {name}", best["attend"] * 1e6,
+                "us/call", context=T, q_len=q_len, threads=threads)
     cache.close()
+
+    # -- a batch: 8 sequences decoding, against SDPA over the padded batch ---
+    B, T = 8, max(contexts) if max(contexts) <= 2048 else 2048
+    pool = KvBlockPool(BLOCK_SIZE, B * -(-T // BLOCK_SIZE), KVH, D)
+    lens = [T - 37 * b for b in range(B)]
+    seqs = [KvCache.with_pool(KVH, D, pool, T) for _ in range(B)]
+    Kb = rng.standard_normal((B, T, KVH, D), dtype=np.float32)
+    Vb = rng.standard_normal((B, T, KVH, D), dtype=np.float32)
+    for b, c in enumerate(seqs):
+        c.extend(Kb[b, :lens[b]], Vb[b, :lens[b]])
+    qb = rng.standard_normal((B, 1, H, D), dtype=np.float32)
+    variants = [("attend_many", lambda: None, lambda _: ferrox_kv.attend_many(seqs, qb))]
+    if torch is not None:
+        kt = torch.from_numpy(np.ascontiguousarray(Kb.transpose(0, 2, 1, 3)))
+        vt = torch.from_numpy(np.ascontiguousarray(Vb.transpose(0, 2, 1, 3)))
+        qt = torch.from_numpy(np.ascontiguousarray(qb.transpose(0, 2, 1, 3)))
+        pad = torch.arange(T)[None, :] < torch.tensor(lens)[:, None]
+        pmask = pad[:, None, None, :]
+        variants.append(("sdpa", lambda: None, lambda _: F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=pmask, enable_gqa=True)))
+    best = best_of(variants, reps)
+    name = f"batch of {B} x {T} (lengths {lens[-1]}..{T})"
+    if torch is not None:
+        res.add(g, geo, "attention.many.sdpa", tag + f"SDPA over the padded batch, {name}",
+                best["sdpa"] * 1e6, "us/call", context=T, batch=B, threads=threads)
+        res.add(g, geo, "attention.many.attend", tag + f"attend_many, {name}",
+                best["attend_many"] * 1e6, "us/call", best["attend_many"] / best["sdpa"],
+                "SDPA, padded batch", context=T, batch=B, threads=threads)
+    else:
+        res.add(g, geo, "attention.many.attend", tag + f"attend_many, {name}",
+                best["attend_many"] * 1e6, "us/call", context=T, batch=B, threads=threads)
+    for c in seqs:
+        c.close()
+    assert pool.free_blocks == pool.total_blocks
 
 
 def run(r):
@@ -180,22 +229,49 @@ def run(r):
     chunk = (64, 512) if r.quick else (256, 2048)
     if r.contexts:     # a chunk no longer than the contexts asked for
         chunk = (min(chunk[0], max(r.contexts)), min(chunk[1], max(r.contexts)))
-    log(f"attention, contexts {contexts}, causal chunk {chunk[0]} over {chunk[1]}")
-    with Torch1() as torch:
-        bench_attention(r.res, contexts, 3 if r.quick else 7, 0.02 if r.quick else 0.05,
-                        chunk, torch if r.torch_ok else None)
+    for n in thread_counts(r.args):
+        log(f"attention at {n} thread(s), contexts {contexts}, causal chunk {chunk[0]} over {chunk[1]}")
+        with Threads(n) as torch:
+            bench_attention(r.res, contexts, 3 if r.quick else 7, 0.02 if r.quick else 0.05,
+                            chunk, torch if r.torch_ok else None, threads=n)
+
+
+# the N-thread goals (the issue's): N threads over 1 at 8192, by N
+SCALING_GOALS = {2: 0.6, 16: 0.15}
 
 
 def targets(res):
-    """Per context of this run: goals from 512 (SDPA) or 2048 (gather, the
-    read floor) positions on; the 2-thread scaling against the floor's."""
+    """Per context of this run: at 1 thread, goals from 512 (SDPA) or 2048
+    (gather, the read floor) positions on, and the 2-thread scaling against
+    the floor's; at N threads, against SDPA and the floor at N threads and
+    N threads against 1."""
     out = []
     for r in res.rows:
-        if r["group"] != "attention" or "context" not in r or r["slug"].startswith(
-                "attention.chunk"):
+        if r["group"] != "attention" or "context" not in r:
             continue
-        T = r["context"]
-        at = {"context": T}
+        T, n = r["context"], r.get("threads", 1)
+        at = {"context": T, "threads": n}
+        if n > 1:
+            lead = f"[{n} threads] "
+            if r["slug"] == "attention.attend.vs_sdpa":
+                out.append(Target(lead + f"attend vs SDPA at {n} threads @ {T}", r["slug"],
+                                  "<=" if T >= 2048 else "info", 0.5 if T >= 2048 else None, at))
+            elif r["slug"] == "attention.attend.vs_floor":
+                out.append(Target(lead + f"attend vs the {n}-thread read floor @ {T}", r["slug"],
+                                  "<=" if T >= 2048 else "info", 1.5 if T >= 2048 else None, at))
+            elif r["slug"] == "attention.attend.vs_1thread":
+                goal = SCALING_GOALS.get(n) if T >= 8192 else None
+                out.append(Target(lead + f"attend at {n} threads vs 1 @ {T}", r["slug"],
+                                  "<=" if goal else "info", goal, at))
+            elif r["slug"] == "attention.many.attend" and r.get("ratio") is not None:
+                out.append(Target(lead + f"attend_many, 8 sequences, vs SDPA padded @ {T}", r["slug"],
+                                  "<=", 0.5, at))
+            elif r["slug"] == "attention.chunk.attend" and r.get("ratio") is not None:
+                out.append(Target(lead + f"causal chunk vs SDPA causal @ {T}", r["slug"],
+                                  "<=", 1.0, at))
+            continue
+        if r["slug"].startswith(("attention.chunk", "attention.many")):
+            continue
         if r["slug"] == "attention.attend.vs_sdpa":
             out.append(Target(f"attend vs SDPA (contiguous) @ {T}", r["slug"],
                               "<=" if T >= 512 else "info", 1.0 if T >= 512 else None, at,
@@ -219,5 +295,5 @@ def targets(res):
     return out
 
 
-GROUP = Group("attention", "decode attention, 32 query / 8 KV heads x 128, 1 torch thread",
+GROUP = Group("attention", "decode attention, 32 query / 8 KV heads x 128, at 1 and N threads",
               run, targets=targets, torch_rows="the attention rows against torch SDPA")

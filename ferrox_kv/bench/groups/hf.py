@@ -1,13 +1,13 @@
 """Group hf: per-token decode time of a real (small) transformers model with
 ``FerroxCache`` (pooled, read in place by the "ferrox" attention) against
 ``DynamicCache`` and ``StaticCache`` with SDPA (transformers' default
-attention), one torch thread. Needs torch and transformers (the model:
-``llama.py``)."""
-from ferrox_kv.bench.common import Group, Torch1, log
+attention), at 1 and N torch threads (the ferrox attention follows torch's
+count). Needs torch and transformers (the model: ``llama.py``)."""
+from ferrox_kv.bench.common import Group, Threads, log, thread_counts
 from ferrox_kv.bench.targets import Figure, Target
 
 
-def bench_hf(res, contexts, quick=False, log=print):
+def bench_hf(res, contexts, quick=False, log=print, threads=1):
     import torch
     from transformers import DynamicCache, StaticCache
 
@@ -22,6 +22,7 @@ def bench_hf(res, contexts, quick=False, log=print):
     layers, h, d = kv_geometry(cfg)
     g = "hf"
     geo = f"llama-{layers}L"
+    tag = "" if threads == 1 else f"[{threads} threads] "
     first = torch.tensor([[7]])
     # a decode step reads every weight once (matrix-vector products) except
     # the embedding table, of which it reads one row
@@ -45,15 +46,15 @@ def bench_hf(res, contexts, quick=False, log=print):
         log(f"hf decode @ {ctx}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
             + f" (first-step logits, max |ferrox - DynamicCache| {diff['ferrox']:.6f})")
         ms = {k: v * 1e3 for k, v in best.items()}
-        extra = dict(context=ctx, tokens=tokens, weights_read_mb=weights_mb)
-        res.add(g, geo, "hf.dynamic", f"DynamicCache + SDPA @ {ctx}", ms["dynamic"],
+        extra = dict(context=ctx, tokens=tokens, weights_read_mb=weights_mb, threads=threads)
+        res.add(g, geo, "hf.dynamic", tag + f"DynamicCache + SDPA @ {ctx}", ms["dynamic"],
                 "ms/token", **extra)
-        res.add(g, geo, "hf.ferrox.vs_dynamic", f"FerroxCache pooled + ferrox attn @ {ctx}",
+        res.add(g, geo, "hf.ferrox.vs_dynamic", tag + f"FerroxCache pooled + ferrox attn @ {ctx}",
                 ms["ferrox"], "ms/token", ms["ferrox"] / ms["dynamic"], "DynamicCache",
                 logits_max_diff=diff["ferrox"], **extra)
-        res.add(g, geo, "hf.ferrox.vs_static", f"FerroxCache pooled + ferrox attn @ {ctx}",
+        res.add(g, geo, "hf.ferrox.vs_static", tag + f"FerroxCache pooled + ferrox attn @ {ctx}",
                 ms["ferrox"], "ms/token", ms["ferrox"] / ms["static"], "StaticCache", **extra)
-        res.add(g, geo, "hf.static.vs_dynamic", f"StaticCache + SDPA @ {ctx}", ms["static"],
+        res.add(g, geo, "hf.static.vs_dynamic", tag + f"StaticCache + SDPA @ {ctx}", ms["static"],
                 "ms/token", ms["static"] / ms["dynamic"], "DynamicCache",
                 logits_max_diff=diff["static"], **extra)
         assert pool.free_blocks == pool.total_blocks
@@ -61,31 +62,35 @@ def bench_hf(res, contexts, quick=False, log=print):
 
 def run(r):
     contexts = r.contexts or ([128, 512] if r.quick else [128, 2048, 8192])
-    log(f"hf: a 2-layer Llama (32 heads, 8 KV heads x 128) per-token decode, "
-        f"contexts {contexts}")
-    with Torch1():
-        bench_hf(r.res, contexts, quick=r.quick, log=log)
+    for n in thread_counts(r.args):
+        log(f"hf: a 2-layer Llama (32 heads, 8 KV heads x 128) per-token decode at {n} "
+            f"thread(s), contexts {contexts}")
+        with Threads(n):
+            bench_hf(r.res, contexts, quick=r.quick, log=log, threads=n)
 
 
-GOALS = {128: 1.0, 2048: 0.6, 8192: 0.45}    # context: FerroxCache / DynamicCache per token
+GOALS = {128: 1.0, 2048: 0.6, 8192: 0.45}    # context: FerroxCache / DynamicCache per token, 1 thread
+GOALS_N = {2048: 0.6, 8192: 0.2}              # the same at N threads
 
 
 def targets(res):
     out = []
     for r in res.rows:
+        n = r.get("threads", 1)
+        lead = "" if n == 1 else f"[{n} threads] "
         if r["slug"] == "hf.ferrox.vs_dynamic":
             T = r["context"]
-            goal = GOALS.get(T)
-            out.append(Target(f"FerroxCache / DynamicCache per token @ {T}", r["slug"],
-                              "<=" if goal else "info", goal, {"context": T},
+            goal = (GOALS if n == 1 else GOALS_N).get(T)
+            at = {"context": T, "threads": n}
+            out.append(Target(lead + f"FerroxCache / DynamicCache per token @ {T}", r["slug"],
+                              "<=" if goal else "info", goal, at,
                               related=[Figure("attention alone vs SDPA",
-                                              "attention.attend.vs_sdpa", {"context": T},
-                                              unit="x")]))
+                                              "attention.attend.vs_sdpa", at, unit="x")]))
         elif r["slug"] == "hf.static.vs_dynamic":
-            out.append(Target(f"  StaticCache / DynamicCache per token @ {r['context']}",
-                              r["slug"], "info", None, {"context": r["context"]}))
+            out.append(Target(lead + f"  StaticCache / DynamicCache per token @ {r['context']}",
+                              r["slug"], "info", None, {"context": r["context"], "threads": n}))
     return out
 
 
-GROUP = Group("hf", "decode step of a 2-layer Llama, FerroxCache vs DynamicCache, 1 torch thread",
+GROUP = Group("hf", "decode step of a 2-layer Llama, FerroxCache vs DynamicCache, at 1 and N threads",
               run, targets=targets, needs_hf=True)
