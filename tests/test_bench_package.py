@@ -293,6 +293,32 @@ def test_plot_adds_a_dtype_panel_when_the_precision_group_ran():
                                         "int8": 2.5}
 
 
+def test_plot_adds_a_threads_panel_and_n_thread_targets_when_attention_ran_at_two_counts():
+    res = _synthetic_results()
+    for n, attend, sdpa, floor in ((1, 900.0, 1800.0, 600.0), (2, 500.0, 1000.0, 300.0)):
+        for slug, v in (("attention.attend.vs_floor", attend), ("attention.sdpa", sdpa),
+                        ("attention.floor", floor)):
+            res.add("attention", "llama8b", slug, "x", v, "us/call", v / floor, "read floor",
+                    context=16384, threads=n)
+        res.add("attention", "llama8b", "attention.attend.vs_sdpa", "x", attend, "us/call",
+                attend / sdpa, "SDPA", context=16384, threads=n)
+    res.add("attention", "llama8b", "attention.attend.vs_1thread", "x", 500.0, "us/call",
+            500 / 900, "1 thread", context=16384, threads=2)
+    ps = panels(res, evaluate(_all_targets(res), res))
+    e = ps[-1]
+    assert e["title"].startswith("(e)") and e["dtypes"] == ["1 thread", "2 threads"]
+    got = dict(e["series"])
+    assert got["ferrox attend, pooled, in place"] == {"1 thread": 1.0, "2 threads": 500 / 900}
+    assert got["read floor (K+V read once, C)"]["2 threads"] == 0.5
+    # the 1-thread lines of panel (a) keep one point per context
+    assert all(len({x for x, _ in s["points"]}) == len(s["points"]) for s in ps[0]["series"])
+    judged = {(v.target.slug, v.target.where.get("threads")): v for v in evaluate(_all_targets(res), res)
+              if v.target.where.get("context") == 16384}
+    assert judged["attention.attend.vs_1thread", 2].target.goal == 0.6
+    assert judged["attention.attend.vs_1thread", 2].verdict == "met"
+    assert judged["attention.attend.vs_sdpa", 2].target.goal == 0.5
+
+
 def test_plot_draws_three_panels_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")
     from ferrox_kv.bench.plot import plot

@@ -104,6 +104,9 @@ def better_for(unit: str) -> str:
     return "higher" if unit.endswith("/s") or unit == "x" else "lower"
 
 
+ROW_DEFAULTS = {"threads": 1}
+
+
 class Results:
     """Rows of (group, geometry, slug, name, value, unit, ratio, ratio_of,
     better, extra fields). ``slug`` is the row's stable identifier (what
@@ -127,9 +130,10 @@ class Results:
         return row
 
     def find(self, slug, **where):
-        """The first row with this slug whose fields match ``where``."""
+        """The first row with this slug whose fields match ``where`` (a row
+        without a ``threads`` field ran on one thread)."""
         for r in self.rows:
-            if r["slug"] == slug and all(r.get(k) == v for k, v in where.items()):
+            if r["slug"] == slug and all(r.get(k, ROW_DEFAULTS.get(k)) == v for k, v in where.items()):
                 return r
         return None
 

@@ -41,7 +41,7 @@ def _decode_panel(res):
         series = []
         for slug, label, color in choice:
             pts = sorted((r["context"], r["value"] * TIME_IN[r["unit"].split("/")[0]] * 1e3)
-                         for r in res.rows if r["slug"] == slug)
+                         for r in res.rows if r["slug"] == slug and r.get("threads", 1) == 1)
             if pts:
                 series.append({"label": label, "color": color, "points": pts})
         if series:
@@ -59,7 +59,7 @@ def _precision_panel(res):
     by = {r["dtype"]: r["ratio"] for r in res.rows if r["slug"].startswith("precision.bytes.")}
     if not by:
         return None
-    att = [r for r in res.rows if r["slug"].startswith("precision.attend.")]
+    att = [r for r in res.rows if r["slug"].startswith("precision.attend.") and r.get("threads", 1) == 1]
     ctx = max((r["context"] for r in att), default=None)
     series = [("bytes per position (K+V, scales included)", by)]
     if ctx is not None:
@@ -70,11 +70,42 @@ def _precision_panel(res):
             "dtypes": list(by), "series": series}
 
 
+_SCALING = [("attention.attend.vs_floor", "ferrox attend, pooled, in place"),
+            ("attention.sdpa", "SDPA over contiguous tensors"),
+            ("attention.floor", "read floor (K+V read once, C)")]
+
+
+def _threads_panel(res):
+    """(e), when the attention group ran at more than one thread count:
+    decode attention time at the longest context against its own 1-thread
+    time, for ferrox, SDPA and the read floor."""
+    rows = [r for r in res.rows if r["slug"] == "attention.attend.vs_floor"]
+    counts = sorted({r.get("threads", 1) for r in rows})
+    if len(counts) < 2:
+        return None
+    ctx = max(r["context"] for r in rows)
+    series = []
+    for slug, label in _SCALING:
+        one = res.find(slug, context=ctx, threads=1)
+        if one is None:
+            continue
+        vals = {}
+        for n in counts:
+            r = res.find(slug, context=ctx, threads=n)
+            if r is not None:
+                vals[f"{n} thread{'s' if n > 1 else ''}"] = r["value"] / one["value"]
+        series.append((label, vals))
+    return {"kind": "dtypes", "title": f"(e) decode attention @ {ctx} against threads (32 q / 8 KV x 128)",
+            "ylabel": "time / its own 1-thread time (lower is better)",
+            "dtypes": [f"{n} thread{'s' if n > 1 else ''}" for n in counts], "series": series}
+
+
 def panels(res, evaluated=()):
     """What the plot draws, one dict per panel: (a) per-token cost against
     context; (b) push time against its floor; (c) extend bandwidth against
     its floor; (d), when the precision group ran, bytes and attend time per
-    storage dtype. A bar panel's ``targets`` are (geometry, op, goal) for the
+    storage dtype; (e), when attention ran at several thread counts, its
+    scaling against torch's and the read floor's. A bar panel's ``targets`` are (geometry, op, goal) for the
     targets whose ratio is the one plotted, at the geometry they name."""
     out = [_decode_panel(res)]
     for title, ylabel, spec in _BARS:
@@ -96,9 +127,9 @@ def panels(res, evaluated=()):
                  and v.target.where.get("geometry") in geos]
         out.append({"kind": "bars", "title": title, "ylabel": ylabel, "geos": geos,
                     "bars": bars, "targets": marks})
-    precision = _precision_panel(res)
-    if precision is not None:
-        out.append(precision)
+    for extra in (_precision_panel(res), _threads_panel(res)):
+        if extra is not None:
+            out.append(extra)
     return out
 
 

@@ -260,7 +260,7 @@ def targets(res):
                 out.append(Target(lead + f"attend vs the {n}-thread read floor @ {T}", r["slug"],
                                   "<=" if T >= 2048 else "info", 1.5 if T >= 2048 else None, at))
             elif r["slug"] == "attention.attend.vs_1thread":
-                goal = SCALING_GOALS.get(n) if T >= 8192 else None
+                goal = SCALING_GOALS.get(n) if T >= 8192 else None   # the context
                 out.append(Target(lead + f"attend at {n} threads vs 1 @ {T}", r["slug"],
                                   "<=" if goal else "info", goal, at))
             elif r["slug"] == "attention.many.attend" and r.get("ratio") is not None:

@@ -19,7 +19,7 @@ Rows (slug: what, ratio of):
 import numpy as np
 
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, _core
-from ferrox_kv.bench.common import BLOCK_SIZE, Group, Torch1, log, try_import
+from ferrox_kv.bench.common import BLOCK_SIZE, Group, Threads, Torch1, log, thread_counts, try_import
 from ferrox_kv.bench.harness import best_of, loops_for
 from ferrox_kv.bench.targets import Target
 
@@ -27,7 +27,7 @@ GEO = "llama8b"
 KVH, D, H = 8, 128, 32
 
 
-def bench_precision(res, quick=False, reps=5, torch=None):
+def bench_precision(res, quick=False, reps=5, torch=None, threads=(1,)):
     contexts = [2048] if quick else [2048, 8192]
     reps = 2 if quick else reps
     rng = np.random.default_rng(14)
@@ -49,42 +49,10 @@ def bench_precision(res, quick=False, reps=5, torch=None):
         res.add(g, GEO, f"precision.fit.{dt}", f"{dt}: 2048-position x 32-layer sequences in 1 GiB",
                 fit[dt], "seqs", fit[dt] / fit["float32"], "float32", better="higher", dtype=dt)
 
-    # -- decode attention: each dtype on the same data -------------------------
-    for T in contexts:
-        K = rng.standard_normal((T, KVH, D), dtype=np.float32)
-        V = rng.standard_normal((T, KVH, D), dtype=np.float32)
-        K[:, :, :4] *= 30                       # outlier channels, as real keys have
-        q = rng.standard_normal((H, D), dtype=np.float32)
-        caches = {}
-        for dt in DTYPES:
-            nb = -(-T // BLOCK_SIZE)
-            c = KvCache.with_pool(KVH, D, KvBlockPool(BLOCK_SIZE, nb, KVH, D, dtype=dt), T)
-            c.extend(K, V)
-            caches[dt] = c
-        n = loops_for(lambda _: caches["float32"].attend(q), 0.05 if quick else 0.2)
-        out = np.empty((H, D), np.float32)
-        variants = []
-        for dt, c in caches.items():
-            variants.append((dt, lambda: None, lambda _, c=c: [c.attend(q, out=out) for _ in range(n)]))
-            variants.append((f"floor.{dt}", lambda: None, lambda _, c=c: _core._read_floor([c], n)))
-            if wide:
-                variants.append((f"w8.{dt}", lambda: None, lambda _, c=c: _at_width(
-                    8, lambda: [c.attend(q, out=out) for _ in range(n)])))
-        best = best_of(variants, reps)
-        us = {k: v / n * 1e6 for k, v in best.items()}
-        exact = caches["float32"].attend(q)
-        for dt in DTYPES:
-            err = float(np.abs(caches[dt].attend(q) - exact).max())
-            res.add(g, GEO, f"precision.attend.{dt}", f"{dt}: decode attend @ {T}", us[dt],
-                    "us/call", us[dt] / us["float32"], "float32 attend", context=T, dtype=dt,
-                    max_abs_err=err, simd_width=16 if wide else 8)
-            res.add(g, GEO, f"precision.attend_floor.{dt}", f"{dt}: decode attend @ {T} vs its read floor",
-                    us[dt], "us/call", us[dt] / us[f"floor.{dt}"], "own read floor", context=T,
-                    dtype=dt, floor_us=us[f"floor.{dt}"])
-            if wide:
-                res.add(g, GEO, f"precision.attend_w16.{dt}",
-                        f"{dt}: decode attend @ {T}, 16-float vs 8-float path", us[dt], "us/call",
-                        us[dt] / us[f"w8.{dt}"], "8-float (x86-64-v3) path", context=T, dtype=dt)
+    # -- decode attention: each dtype on the same data, at 1 and N threads ------
+    for n in threads:
+        with Threads(n):
+            _decode_rows(res, contexts, reps, quick, rng, wide and n == 1, n)
 
     # -- extend(512) from float32: conversion in the copy loop vs a C floor -----
     t = 512
@@ -150,6 +118,50 @@ def bench_precision(res, quick=False, reps=5, torch=None):
 FLOOR_CONTEXT = 16
 
 
+def _decode_rows(res, contexts, reps, quick, rng, wide, threads):
+    """Decode attend of each dtype on the same data against float32 and
+    against its own read floor, both on ``threads`` threads; with ``wide``
+    the 16- against the 8-float path too."""
+    g = "precision"
+    tag = "" if threads == 1 else f"[{threads} threads] "
+    for T in contexts:
+        K = rng.standard_normal((T, KVH, D), dtype=np.float32)
+        V = rng.standard_normal((T, KVH, D), dtype=np.float32)
+        K[:, :, :4] *= 30                       # outlier channels, as real keys have
+        q = rng.standard_normal((H, D), dtype=np.float32)
+        caches = {}
+        for dt in DTYPES:
+            nb = -(-T // BLOCK_SIZE)
+            c = KvCache.with_pool(KVH, D, KvBlockPool(BLOCK_SIZE, nb, KVH, D, dtype=dt), T)
+            c.extend(K, V)
+            caches[dt] = c
+        n = loops_for(lambda _: caches["float32"].attend(q), 0.05 if quick else 0.2)
+        out = np.empty((H, D), np.float32)
+        variants = []
+        for dt, c in caches.items():
+            variants.append((dt, lambda: None, lambda _, c=c: [c.attend(q, out=out) for _ in range(n)]))
+            variants.append((f"floor.{dt}", lambda: None, lambda _, c=c: _core._read_floor([c], n, threads)))
+            if wide:
+                variants.append((f"w8.{dt}", lambda: None, lambda _, c=c: _at_width(
+                    8, lambda: [c.attend(q, out=out) for _ in range(n)])))
+        best = best_of(variants, reps)
+        us = {k: v / n * 1e6 for k, v in best.items()}
+        exact = caches["float32"].attend(q)
+        for dt in DTYPES:
+            err = float(np.abs(caches[dt].attend(q) - exact).max())
+            res.add(g, GEO, f"precision.attend.{dt}", tag + f"{dt}: decode attend @ {T}", us[dt],
+                    "us/call", us[dt] / us["float32"], "float32 attend", context=T, dtype=dt,
+                    max_abs_err=err, simd_width=16 if _wide() else 8, threads=threads)
+            res.add(g, GEO, f"precision.attend_floor.{dt}", tag + f"{dt}: decode attend @ {T} vs its read floor",
+                    us[dt], "us/call", us[dt] / us[f"floor.{dt}"], "own read floor", context=T,
+                    dtype=dt, floor_us=us[f"floor.{dt}"], threads=threads)
+            if wide:
+                res.add(g, GEO, f"precision.attend_w16.{dt}",
+                        f"{dt}: decode attend @ {T}, 16-float vs 8-float path", us[dt], "us/call",
+                        us[dt] / us[f"w8.{dt}"], "8-float (x86-64-v3) path", context=T, dtype=dt,
+                        threads=threads)
+
+
 def bench_hf_bf16(res, contexts, quick=False):
     """Per-token decode of the hf group's model in bfloat16: FerroxCache with
     dtype="auto" (bfloat16 storage, pooled) and the ferrox attention against
@@ -203,7 +215,7 @@ def run(r):
     log("precision: bytes, fit, attend, extend and chunk per storage dtype")
     torch = try_import("torch") if r.torch_ok else None
     with Torch1():
-        bench_precision(r.res, r.quick, r.reps, torch)
+        bench_precision(r.res, r.quick, r.reps, torch, threads=thread_counts(r.args))
         if r.hf_ok:
             bench_hf_bf16(r.res, [2048] if r.quick else [2048, 8192], r.quick)
 
@@ -214,6 +226,8 @@ def run(r):
 # "Precision")
 _ATTEND_GOAL_W16 = {"float16": 0.6, "bfloat16": 0.6, "int8": 0.45}
 _ATTEND_GOAL_AVX2 = {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7}
+# at N threads, where decode is bandwidth-bound and fewer bytes should show
+_ATTEND_GOAL_N = {"float16": 0.7, "bfloat16": 0.7, "int8": 0.5}
 
 
 def _wide():
@@ -243,14 +257,24 @@ def targets(res):
                   "precision.fit.bfloat16", ">=", 2.0, where={"dtype": "bfloat16"}),
            Target("2048 x 32-layer sequences in 1 GiB, int8 vs float32", "precision.fit.int8",
                   ">=", 3.7, where={"dtype": "int8"})]
-    row = res.find("precision.attend.float32")
+    row = res.find("precision.attend.float32", threads=1)
     wide = row is not None and row.get("simd_width") == 16
     for dt, goal in (_ATTEND_GOAL_W16 if wide else _ATTEND_GOAL_AVX2).items():
         out.append(Target(f"decode attend @ 8192, {dt} vs float32 ({'AVX-512' if wide else 'AVX2'} goal)",
-                          f"precision.attend.{dt}", "<=", goal, where={"dtype": dt, "context": 8192}))
+                          f"precision.attend.{dt}", "<=", goal,
+                          where={"dtype": dt, "context": 8192, "threads": 1}))
     for dt in DTYPES:
         out.append(Target(f"decode attend @ 8192, {dt} vs its read floor",
-                          f"precision.attend_floor.{dt}", "<=", 1.3, where={"dtype": dt, "context": 8192}))
+                          f"precision.attend_floor.{dt}", "<=", 1.3,
+                          where={"dtype": dt, "context": 8192, "threads": 1}))
+    for n in sorted({r.get("threads", 1) for r in res.rows if r["slug"] == "precision.attend.float32"} - {1}):
+        for dt, goal in _ATTEND_GOAL_N.items():
+            out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs float32", f"precision.attend.{dt}",
+                              "<=", goal, where={"dtype": dt, "context": 8192, "threads": n}))
+        for dt in DTYPES:
+            out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs its {n}-thread read floor",
+                              f"precision.attend_floor.{dt}", "<=", 1.5 if dt == "float32" else 2.0,
+                              where={"dtype": dt, "context": 8192, "threads": n}))
         out.append(Target(f"extend(512) into {dt} vs a C conversion floor", f"precision.extend.{dt}",
                           "<=", 1.2, where={"dtype": dt}))
     for dt in ("float32", "bfloat16"):
