@@ -9,7 +9,7 @@ pool, gets the same system prompt with another question: its lookup reads the
 system prompt's blocks through Redis (verified: fingerprint, geometry, salt,
 token ids, checksum) and it prefills only its own tail. Without a reachable
 Redis the second process simply prefills everything (a counted miss).
-Needs ``pip install 'ferrox_kv[redis]'``.
+Needs ``pip install '.[redis]'``.
 """
 import multiprocessing as mp
 import sys

@@ -67,7 +67,7 @@ def info_lines():
         lines.append(f"  {dist:<18} {v or 'not installed'}")
     if not (_dist_version("torch") and _dist_version("transformers")):
         lines.append("  (ferrox_kv.hf and the bench's hf rows need torch and transformers: "
-                     "pip install 'ferrox_kv[hf]')")
+                     "pip install '.[hf]' from the ferrox_kv checkout)")
     return lines
 
 

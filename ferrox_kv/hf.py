@@ -8,7 +8,7 @@ and ``"ferrox"``: an attention implementation that reads it in place.
     with FerroxCache(model.config, pool=pool, max_seq_len=512) as cache:
         out = model.generate(**inputs, cache=cache, max_new_tokens=64)
 
-Needs ``torch`` and ``transformers`` 5 (``pip install 'ferrox_kv[hf]'``); the
+Needs ``torch`` and ``transformers`` 5 (``pip install '.[hf]'``); the
 rest of ferrox_kv never imports this module.
 
 Layout. One ferrox_kv ``KvCache`` per layer and per sequence of the batch.
@@ -89,8 +89,8 @@ try:
                                             sliding_window_causal_mask_function)
 except ImportError as e:
     raise ImportError(
-        "ferrox_kv.hf needs torch and transformers 5: pip install 'ferrox_kv[hf]' "
-        f"(on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
+        "ferrox_kv.hf needs torch and transformers 5: pip install '.[hf]' from the ferrox_kv "
+        f"checkout (on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
 
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv._core import _assign, _dtype_name, _extend_each

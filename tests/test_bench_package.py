@@ -369,7 +369,7 @@ def test_plot_without_matplotlib_refuses_before_any_group_runs(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
-    assert "--plot needs matplotlib" in p.stderr and "pip install 'ferrox_kv[plot]'" in p.stderr
+    assert "--plot needs matplotlib" in p.stderr and "pip install '.[plot]'" in p.stderr
     assert "[bench" not in p.stderr                 # no group started
     assert not (tmp_path / "x.png").exists()
 

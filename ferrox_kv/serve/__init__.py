@@ -8,7 +8,7 @@ ferrox_kv pool.
 Modules: ``engine`` (admission, the FIFO queue and the continuous-batching
 step loop), ``app`` (the FastAPI routes, streaming, errors), ``metrics``
 (Prometheus), ``cli`` (arguments, loading, uvicorn, graceful shutdown).
-Needs ``pip install 'ferrox_kv[serve]'`` (FastAPI, uvicorn,
+Needs ``pip install '.[serve]'`` (FastAPI, uvicorn,
 prometheus_client, with torch and transformers); the rest of ferrox_kv never
 imports this package.
 """

@@ -115,7 +115,8 @@ def run(args) -> int:
         from ferrox_kv.serve.metrics import Metrics
     except ImportError as e:
         print(f"ferrox-kv serve needs FastAPI, uvicorn and prometheus_client: "
-              f"pip install 'ferrox_kv[serve]' ({e})", file=sys.stderr)
+              f"pip install '.[serve]' from the ferrox_kv checkout ({e})",
+              file=sys.stderr)
         return 2
     for name in ("max_batch", "prefill_chunk"):
         if getattr(args, name) < 1:

@@ -20,8 +20,8 @@ try:
     import xxhash
 except ModuleNotFoundError as _e:                       # pragma: no cover
     raise ImportError(
-        "ferrox_kv.store needs the xxhash package: pip install 'ferrox_kv[store]' "
-        "(or 'ferrox_kv[redis]', which includes it)") from _e
+        "ferrox_kv.store needs the xxhash package: pip install '.[store]' from the "
+        "ferrox_kv checkout (or '.[redis]', which includes it)") from _e
 
 VERSION = 1
 FILE_MAGIC = b"FXKVPFX\x00"

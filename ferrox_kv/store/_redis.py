@@ -54,7 +54,7 @@ def _redis() -> Any:
         import redis
     except ModuleNotFoundError as e:
         raise ImportError("RedisPrefixStore needs the redis client: "
-                          "pip install 'ferrox_kv[redis]'") from e
+                          "pip install '.[redis]' from the ferrox_kv checkout") from e
     return redis
 
 
