@@ -113,6 +113,49 @@ def test_the_serve_subcommand_and_a_missing_model_dir(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "is not a directory" in out.stderr and "save_pretrained" in out.stderr
+    assert "--make-tiny" in out.stderr
+
+
+def test_a_missing_model_dir_is_said_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ferrox_kv.serve.cli import main\ntry:\n"
+            f"    main([{str(tmp_path / 'nope')!r}])\nexcept SystemExit as e:\n"
+            "    print('exit', e)\nprint('torch imported:', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert "is not a directory" in out.stdout and "--make-tiny" in out.stdout, out
+    assert "torch imported: False" in out.stdout, out
+
+
+def test_a_busy_port_is_refused_before_the_server_says_where_it_listens(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "ferrox_kv.serve", str(tmp_path),
+                              "--port", str(port)], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode != 0
+    assert "cannot listen on 127.0.0.1:" in out.stderr and "--port" in out.stderr, out.stderr
+    assert "on http://" not in out.stderr, out.stderr
+
+
+def test_the_help_texts_describe_the_commands_not_their_modules(tmp_path):
+    import subprocess
+    import sys
+
+    for args in (["serve", "--help"], ["bench", "--help"]):
+        out = subprocess.run([sys.executable, "-m", "ferrox_kv", *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        for internal in ("``", "uvicorn", "harness", "runner", "GROUP_MODULES", ".py"):
+            assert internal not in out.stdout, (args, internal)
 
 
 @pytest.mark.parametrize("temperature", [5.5e-72, 1e-320, 1e-30])

@@ -657,6 +657,18 @@ def test_the_two_servers_example_shares_the_system_prompt(server):
     assert second.startswith("second server: reused 96 positions, prefilled 3; store hits 1")
 
 
+def test_the_two_servers_example_answers_help_and_a_bad_url_at_once():
+    """--help was taken as the Redis URL and the example blocked for 60 s."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", "two_servers_one_redis.py")
+    p = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
+                       timeout=20)
+    assert p.returncode == 0 and "usage:" in p.stdout and "url" in p.stdout, p
+    p = subprocess.run([sys.executable, path, "not-a-url"], capture_output=True, text=True,
+                       timeout=20)
+    assert p.returncode == 2 and "not a Redis URL" in p.stderr, p
+
+
 def test_the_threaded_example_run_twice_shares_its_system_prompt_through_redis(server):
     pytest.importorskip("transformers")
     import re
