@@ -290,3 +290,20 @@ def test_prompts_admitted_together_prefill_in_one_forward_with_decode_and_equal_
         assert r.output_ids == want(r.prompt_ids, r.max_tokens), r.prompt_ids
     assert e.pool.free_blocks == e.pool.total_blocks and e.pool.cached_blocks > 0   # published
     e.pool.check()
+
+
+def test_the_tiny_model_writes_printable_text_greedy_and_sampled(parts):
+    """--make-tiny's model answered in U+FFFD; its output head now gives
+    every token that does not print a zero row."""
+    model, tok = parts
+    for prompt in ("The pool is", "Sphinx of black quartz", "é 😀 \x00"):
+        ids = torch.tensor([tok(prompt)["input_ids"] or [tok.bos_token_id]])
+        for sample in (False, True):
+            torch.manual_seed(3)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=48, do_sample=sample, temperature=1.0,
+                                     top_p=1.0, pad_token_id=tok.pad_token_id)
+            text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            assert text and "\ufffd" not in text, (prompt, sample, text)
+            assert all(c.isprintable() or c in "\n\t" for c in text), (prompt, sample, text)
