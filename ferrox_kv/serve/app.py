@@ -221,8 +221,13 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
 
     @app.get("/health")
     async def health():
-        s = engine.pool.stats()
-        return {"status": "draining" if engine._draining else "ok", **engine.stats(),
+        # one snapshot: the engine takes and gives back blocks under its lock,
+        # so the counts and the pool's figures agree (a request retired
+        # between two separate reads looked idle with its blocks still held)
+        with engine._cv:
+            running = engine.stats()
+            s = engine.pool.stats()
+        return {"status": "draining" if engine._draining else "ok", **running,
                 "free_blocks": s["free_blocks"], "used_blocks": s["used_blocks"],
                 "cached_blocks": s["cached_blocks"], "total_blocks": s["total_blocks"]}
 
