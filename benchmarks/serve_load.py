@@ -33,6 +33,10 @@ tokens/s and p99 latency against N per mode. The issue's table comes from
         --generate-batch --soak 10000 --plot serve.png --json serve.json
 
 Figures on a busy machine are noisy; ratios within one run are what count.
+The load test survives its own overload: a request that fails in transport
+(a reset connection, a read error) or times out is counted in its row's
+``errors`` and statuses, never raised; every server process it started is
+stopped (SIGTERM, then SIGKILL, by its PID) whatever happens.
 """
 from __future__ import annotations
 
@@ -50,14 +54,44 @@ import httpx
 from ferrox_kv.serve._process import ServerProcess
 
 
+STARTED: list[ServerProcess] = []      # every server this run started, stopped at the end
+
+
 def start(model_dir, *args):
-    return ServerProcess(model_dir, *args, start_timeout=300)
+    srv = ServerProcess(model_dir, *args, start_timeout=300)
+    STARTED.append(srv)
+    return srv
 
 
 def stop(srv):
-    """SIGTERM; (exit status, the server's last line)."""
+    """SIGTERM, then SIGKILL after 120 s; (exit status, the server's last line)."""
     rc = srv.stop(120)
     return rc, srv.log().strip().splitlines()[-1:]
+
+
+def idle(srv):
+    """``/health`` once the server is idle, or None when it does not answer
+    (an overloaded server's health check may time out too)."""
+    try:
+        return srv.wait_idle()
+    except Exception:
+        return None
+
+
+def stop_all():
+    """Stop every server still running that this run started."""
+    for srv in STARTED:
+        if srv.proc.poll() is None:
+            try:
+                stop(srv)
+            except Exception:
+                srv.proc.kill()
+                srv.proc.wait()
+
+
+def is_error(status):
+    """A request that got no HTTP answer at all: a transport error, a timeout."""
+    return status == "timeout" or str(status).startswith("error")
 
 
 def prompts(n, rng, system):
@@ -93,6 +127,8 @@ async def one(client, url, prompt, max_tokens, drop_after=None, timeout=120.0):
                         return "dropped", None, None, None, 0
     except httpx.TimeoutException:
         return "timeout", None, None, None, 0
+    except httpx.HTTPError as e:            # reset, read error, protocol error: counted
+        return f"error:{type(e).__name__}", None, None, None, 0
     return 200, None, ttft, time.perf_counter() - t0, n
 
 
@@ -124,7 +160,7 @@ async def load(url, n_clients, per_client, max_tokens, rng, system):
             "tokens_per_s": sum(r[4] for r in ok) / wall,
             "p50_latency_s": pct([r[3] for r in ok], 50), "p99_latency_s": pct([r[3] for r in ok], 99),
             "p50_ttft_s": pct([r[2] for r in ok], 50), "p99_ttft_s": pct([r[2] for r in ok], 99),
-            "statuses": statuses}
+            "statuses": statuses, "errors": sum(1 for r in results if is_error(r[0]))}
 
 
 # the rows' server modes: label -> the server's arguments
@@ -142,18 +178,18 @@ def run_mode(model_dir, label, clients, args, system, extra=()):
     srv = start(model_dir, *MODES[label], "--kv-blocks", args.kv_blocks, "--max-batch",
                 max(clients), "--max-queue", 256, "--queue-timeout", 300,
                 "--torch-threads", args.torch_threads, *extra)
-    rows = []
+    rows, h = [], None
     try:
         for n in clients:
             rng = random.Random(n)
             row = asyncio.run(load(srv.url, n, args.requests, args.max_tokens, rng, system))
-            srv.wait_idle()
+            idle(srv)
             row.update(mode=label + ("" if not extra else " " + " ".join(map(str, extra))),
                        rss_kib=srv.rss_kib())
             rows.append(row)
             print(fmt(row), flush=True)
+        h = idle(srv)
     finally:
-        h = srv.wait_idle()
         rc, tail = stop(srv)
     return rows, h, rc, tail
 
@@ -167,12 +203,13 @@ def overload(model_dir, args, system):
     try:
         rng = random.Random(64)
         row = asyncio.run(load(srv.url, 64, 1, args.max_tokens, rng, system))
-        h = srv.wait_idle()
+        h = idle(srv)
     finally:
         rc, tail = stop(srv)
     good = sum(v for k, v in row["statuses"].items() if k in ("200", "503+RA"))
     row.update(mode=f"pool for 8 ({blocks} blocks)", share_ok=good / row["requests"],
-               used_blocks_after=h["used_blocks"], exit=rc, exit_line=tail)
+               used_blocks_after=None if h is None else h["used_blocks"], exit=rc,
+               exit_line=tail)
     print(fmt(row), flush=True)
     return row
 
@@ -227,6 +264,8 @@ def soak(args):
                 return 200, n
         except httpx.TimeoutException:
             return ("dropped" if drop else "timeout"), 0
+        except httpx.HTTPError as e:
+            return f"error:{type(e).__name__}", 0
 
     async def run(n, deadline, mark=None):
         sem = asyncio.Semaphore(16)
@@ -247,12 +286,12 @@ def soak(args):
 
     try:
         asyncio.run(run(200, time.monotonic() + 600))          # warm-up: allocator, caches
-        srv.wait_idle()
+        idle(srv)
         rss["start"] = srv.rss_kib()
         t0 = time.perf_counter()
         results = asyncio.run(run(args.soak, time.monotonic() + args.soak_seconds, mark=True))
         wall = time.perf_counter() - t0
-        h = srv.wait_idle()
+        h = idle(srv) or {"used_blocks": None}
         rss["end"] = srv.rss_kib()
     finally:
         rc, tail = stop(srv)
@@ -262,6 +301,7 @@ def soak(args):
     row = {"mode": "soak (tiny model)", "requests": args.soak, "wall_s": wall,
            "ran": args.soak - statuses.get("not run", 0),
            "tokens": sum(n for _, n in results), "statuses": statuses,
+           "errors": sum(1 for st, _ in results if is_error(st)),
            "blocks_lost": h["used_blocks"], "rss_kib_start": rss["start"],
            "rss_kib_middle": rss.get("middle"), "rss_kib_end": rss["end"],
            "exit": rc, "exit_line": tail}
@@ -306,6 +346,8 @@ def fmt(r):
               f"ttft p50 {r['p50_ttft_s']:.3f} p99 {r['p99_ttft_s']:.3f} s  ")
     if "statuses" in r:
         s += f"{r['statuses']}"
+    if r.get("errors"):
+        s += f"  errors {r['errors']}"
     return s
 
 
@@ -339,6 +381,9 @@ def table(rows, kv_blocks):
     if o:
         out.append(f"| 64 on a pool for 8: 200 or 503+RA | {100 * o['share_ok']:.0f} % "
                    f"({o['statuses']}) | 100 % |")
+    errs = sum(r.get("errors") or 0 for r in rows)
+    out.append(f"| requests with no HTTP answer (transport errors, timeouts), all rows | "
+               f"{errs} | 0 |")
     b1, b64 = get(rows, "batch", 1), get(rows, "batch", 64)
     if b1 and b64:
         pool_mib = kv_blocks * 16 * BENCH["kv_heads"] * BENCH["head_dim"] * 2 * 4 / 2 ** 20
@@ -357,13 +402,14 @@ def table(rows, kv_blocks):
 
 def per_n(rows, modes):
     """p50/p99 latency and time to first token per N and mode, markdown."""
-    out = ["| mode | N | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) |",
-           "| --- | --- | --- | --- | --- |"]
+    out = ["| mode | N | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | errors |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["mode"] in modes or r["mode"].endswith("--no-prefix-cache"):
             out.append(f"| {r['mode']} | {r['clients']} | {r['tokens_per_s']:.1f} | "
                        f"{r['p50_latency_s']:.3f} / {r['p99_latency_s']:.3f} | "
-                       f"{r['p50_ttft_s']:.3f} / {r['p99_ttft_s']:.3f} |")
+                       f"{r['p50_ttft_s']:.3f} / {r['p99_ttft_s']:.3f} | "
+                       f"{r.get('errors', 0)} |")
     return out
 
 
@@ -427,11 +473,19 @@ def main(argv=None):
         make_model_dir(model_dir, **BENCH)
     system = SYSTEM * 2
     modes = [MODE_NAMES[m] for m in args.modes]
+    try:
+        return _main(args, model_dir, system, modes)
+    finally:
+        stop_all()
+
+
+def _main(args, model_dir, system, modes):
     rows = []
     for label in modes:
         r, h, rc, tail = run_mode(model_dir, label, args.clients, args, system)
         rows += r
-        print(f"  {label}: used_blocks after {h['used_blocks']}, exit {rc} {tail}")
+        print(f"  {label}: used_blocks after "
+              f"{'(no answer)' if h is None else h['used_blocks']}, exit {rc} {tail}")
     if 16 in args.clients and "batch" in modes:
         r, h, rc, tail = run_mode(model_dir, "batch", [16], args, system,
                                   extra=("--no-prefix-cache",))

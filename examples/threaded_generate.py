@@ -18,7 +18,7 @@ is back in the pool.
     python examples/threaded_generate.py [--threads 8] [--new-tokens 32] [--redis URL]
 
 With ``--redis redis://host:port/db`` the prefix-cache run's pool has a
-``RedisPrefixStore`` attached (``pip install 'ferrox_kv[redis]'``): what a
+``RedisPrefixStore`` attached (``pip install '.[redis]'``): what a
 request publishes is written through to Redis, and a prompt whose prefix is
 missing locally is read through from there. Run it twice, as two processes:
 the second one's first request finds the system prompt in Redis instead of

@@ -1,6 +1,7 @@
 """Two server processes share a system prompt's K/V through one Redis.
 
     python examples/two_servers_one_redis.py [redis://127.0.0.1:6379/0]
+    python examples/two_servers_one_redis.py --help
 
 Each process has its own pool with a RedisPrefixStore attached. The first
 prefills the system prompt plus its user's question and publishes it
@@ -9,7 +10,7 @@ pool, gets the same system prompt with another question: its lookup reads the
 system prompt's blocks through Redis (verified: fingerprint, geometry, salt,
 token ids, checksum) and it prefills only its own tail. Without a reachable
 Redis the second process simply prefills everything (a counted miss).
-Needs ``pip install 'ferrox_kv[redis]'``.
+Needs ``pip install '.[redis]'``.
 """
 import multiprocessing as mp
 import sys
@@ -45,16 +46,37 @@ def serve(url, question, seed, out):
 
 
 def main(url):
+    import queue
     ctx = mp.get_context("spawn")
     for name, question, seed in (("first", [1, 2, 3, 4, 5], 1), ("second", [7, 8, 9], 2)):
         out = ctx.Queue()
         p = ctx.Process(target=serve, args=(url, question, seed, out))
         p.start()
-        reused, todo, hits, written, errors = out.get(timeout=60)
+        while True:                 # a child that fails says so at once, not after a timeout
+            try:
+                reused, todo, hits, written, errors = out.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if not p.is_alive():
+                    p.join()
+                    return f"the {name} server failed (exit status {p.exitcode}); see above"
         p.join()
         print(f"{name} server: reused {reused} positions, prefilled {todo}; "
               f"store hits {hits}, entries written {written}, errors {errors}")
+    return 0
+
+
+def parse(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " (see the module "
+                                 "docstring).")
+    ap.add_argument("url", nargs="?", default="redis://127.0.0.1:6379/0",
+                    help="the Redis URL (default redis://127.0.0.1:6379/0)")
+    args = ap.parse_args(argv)
+    if not args.url.startswith(("redis://", "rediss://", "unix://")):
+        ap.error(f"not a Redis URL: {args.url!r} (redis://host:port/db)")
+    return args
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379/0")
+    sys.exit(main(parse().url))

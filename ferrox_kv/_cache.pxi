@@ -924,11 +924,14 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         per = 1
     if count == 0:
         return out
-    if m_max and pool._store is not None:  # blocks missing here, read through the store
+    if per > p.total or count > p.total // per:  # before sizing memory, before any store read
+        raise KvPoolExhausted(per * count, pool_refuse(p))
+    # blocks missing here are read through the store only while the whole
+    # reservation fits in the free blocks without counting any sharing: a
+    # request refused (for good or for now) never fetched, imported or evicted
+    if m_max and pool._store is not None and pool_free_count(p) >= per * count:
         from ferrox_kv.store._pool import read_through
         read_through(pool, toks[:min(m_max, p.total) * bs], salt, count)
-    if per > p.total or count > p.total // per:  # before sizing memory by the request
-        raise KvPoolExhausted(per * count, pool_refuse(p))
     if m_max > p.total:
         m_max = p.total
     nb = max(per, m_max)

@@ -68,7 +68,7 @@ def info_lines():
         lines.append(f"  {dist:<18} {v or 'not installed'}")
     if not (_dist_version("torch") and _dist_version("transformers")):
         lines.append("  (ferrox_kv.hf and the bench's hf rows need torch and transformers: "
-                     "pip install 'ferrox_kv[hf]')")
+                     "pip install '.[hf]' from the ferrox_kv checkout)")
     return lines
 
 
@@ -98,6 +98,11 @@ def quiet_on_closed_pipe(func, *args):
         return 128 + 13
 
 
+def bench_description():
+    from ferrox_kv.bench.runner import DESCRIPTION
+    return DESCRIPTION
+
+
 def make_parser(prog="ferrox-kv"):
     from ferrox_kv import bench
 
@@ -106,7 +111,7 @@ def make_parser(prog="ferrox-kv"):
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     b = sub.add_parser("bench", help="the benchmark (the main job): tables, targets, JSON, plot",
-                       description=bench.__doc__,
+                       description=bench_description(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=bench.run)
@@ -114,7 +119,7 @@ def make_parser(prog="ferrox-kv"):
     i.set_defaults(func=cmd_info)
     from ferrox_kv.serve import cli as serve_cli     # argparse only; the server loads on run
     s = sub.add_parser("serve", help="an OpenAI-compatible server over a local checkpoint",
-                       description=serve_cli.__doc__,
+                       description=serve_cli.DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_cli.add_arguments(s)
     s.set_defaults(func=serve_cli.run)

@@ -8,7 +8,7 @@ and ``"ferrox"``: an attention implementation that reads it in place.
     with FerroxCache(model.config, pool=pool, max_seq_len=512) as cache:
         out = model.generate(**inputs, cache=cache, max_new_tokens=64)
 
-Needs ``torch`` and ``transformers`` 5 (``pip install 'ferrox_kv[hf]'``); the
+Needs ``torch`` and ``transformers`` 5 (``pip install '.[hf]'``); the
 rest of ferrox_kv never imports this module.
 
 Layout. One ferrox_kv ``KvCache`` per layer and per sequence of the batch.
@@ -89,13 +89,14 @@ try:
                                             sliding_window_causal_mask_function)
 except ImportError as e:
     raise ImportError(
-        "ferrox_kv.hf needs torch and transformers 5: pip install 'ferrox_kv[hf]' "
-        f"(on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
+        "ferrox_kv.hf needs torch and transformers 5: pip install '.[hf]' from the ferrox_kv "
+        f"checkout (on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
 
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv._core import _assign, _dtype_name, _extend_each
 
-__all__ = ["ATTENTION", "FerroxCache", "FerroxLayer", "ferrox_attention", "kv_geometry"]
+__all__ = ["ATTENTION", "FerroxCache", "FerroxCompileError", "FerroxLayer", "ferrox_attention",
+           "kv_geometry"]
 
 ATTENTION = "ferrox"          # model.set_attn_implementation(ATTENTION)
 
@@ -243,6 +244,24 @@ def _left_padding(padding, kv_len):
     return first.cpu().numpy()
 
 
+COMPILE_REFUSED = (
+    "FerroxCache does not run under torch.compile: its K/V live in ferrox_kv's C caches, "
+    "which torch.compile cannot trace (they are not registered as torch custom ops). Run the "
+    "model eagerly with FerroxCache (attn_implementation='ferrox' reads it in place), or "
+    "compile with transformers' own StaticCache or DynamicCache.")
+
+
+class FerroxCompileError(RuntimeError):
+    """A FerroxCache (or a "ferrox" attention over one) met torch.compile."""
+
+
+def _refuse_compile():
+    """Raises ``FerroxCompileError`` while torch.compile traces the caller:
+    a clear error at the first cache call, not a failed trace deep in dynamo."""
+    if torch.compiler.is_compiling():
+        raise FerroxCompileError(COMPILE_REFUSED)
+
+
 def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      sliding_window=None, ferrox_layer=None, **kwargs):
     """Attention for ``attn_implementation="ferrox"``: reads a FerroxCache's
@@ -256,6 +275,8 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     both."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
+    if layer is not None:
+        _refuse_compile()
     packed = getattr(layer, "attend_packed", None)
     if packed is not None:
         return packed(query, scaling, sliding_window).to(device=query.device,
@@ -567,7 +588,10 @@ class FerroxCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """As ``Cache.update``; a cache made without a config first takes its
-        geometry and layers from the K/V it is given (as ``DynamicCache()``)."""
+        geometry and layers from the K/V it is given (as ``DynamicCache()``).
+        Under torch.compile it raises ``FerroxCompileError`` (see the README,
+        "With transformers")."""
+        _refuse_compile()
         added, geometry = [], self.n_kv_heads is None
         if self._lazy and layer_idx >= len(self.layers):
             self._check_open()

@@ -165,7 +165,7 @@ def require_store():
     if os.environ.get("CI") == "true":
         import xxhash  # noqa: F401  (CI installs the [redis] extra, which brings it)
     else:
-        pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+        pytest.importorskip("xxhash", reason="ferrox_kv.store needs pip install '.[store]'")
 
 
 # -- a real redis-server for the store tests (Debian's package) --------------------
@@ -179,7 +179,7 @@ def _redis_missing():
         import redis  # noqa: F401
         import xxhash  # noqa: F401
     except ModuleNotFoundError as e:
-        return f"the redis extra is not installed ({e.name}): pip install 'ferrox_kv[redis]'"
+        return f"the redis extra is not installed ({e.name}): pip install '.[redis]'"
     return None
 
 

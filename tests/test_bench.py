@@ -149,10 +149,34 @@ def test_bench_without_torch_names_what_it_skipped_in_one_line(tmp_path):
     lines = [ln for ln in out.splitlines() if "skipped" in ln]
     assert len(lines) == 1, out
     line = lines[0]
-    assert "pip install 'ferrox_kv[hf]'" in line
+    assert "pip install '.[hf]'" in line
     assert "hf group" in line and "DynamicCache" in line
     # everything that does not need torch ran
     assert "== push" in out and "== decode" in out and "== hf" not in out
+
+
+def test_bench_without_the_store_extra_says_so_in_its_report(tmp_path):
+    """The README's first command installs only [hf]: the store group was
+    skipped with a progress line only. The report names it and the fix."""
+    rc, out, err = run_cli(tmp_path, "bench", "--quick", "--groups", "pool,store",
+                           hide=("xxhash",))
+    assert rc == 0, err
+    lines = [ln for ln in out.splitlines() if "skipped" in ln]
+    assert len(lines) == 1, out
+    assert "store group" in lines[0] and "pip install '.[store]'" in lines[0], lines
+    assert "== pool" in out
+
+
+def test_the_skipped_line_names_missing_redis_pieces(monkeypatch):
+    from ferrox_kv.bench import runner
+    from ferrox_kv.bench.groups import store
+    assert runner.missing_line(["pool"]) is None
+    monkeypatch.setattr(store, "try_import", lambda name: None if name == "redis" else object())
+    line = runner.missing_line(["pool", "store"])
+    assert "Redis rows" in line and "pip install '.[redis]'" in line
+    monkeypatch.setattr(store, "try_import", lambda name: object())
+    monkeypatch.setattr(store.shutil, "which", lambda name: None)
+    assert "apt-get install redis-server" in runner.missing_line(["store"])
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
@@ -162,7 +186,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
                            "--plot", str(png), hide=("matplotlib",))
     assert rc == 2, err
     hints = [ln for ln in err.splitlines() if "matplotlib" in ln]
-    assert len(hints) == 1 and "pip install 'ferrox_kv[plot]'" in hints[0], err
+    assert len(hints) == 1 and "pip install '.[plot]'" in hints[0], err
     assert out == "" and "[bench" not in err, (out, err)
     assert not png.exists()
 
@@ -175,4 +199,4 @@ def test_plot_writes_a_png_or_says_how(tmp_path):
         assert rc == 0, err
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
-        assert rc == 2 and "pip install 'ferrox_kv[plot]'" in err and not png.exists()
+        assert rc == 2 and "pip install '.[plot]'" in err and not png.exists()

@@ -718,3 +718,30 @@ def test_the_ferrox_attention_uses_at_most_torchs_thread_count(torch_threads):
         torch.set_num_threads(old[0])
         ferrox_kv.set_num_threads(old[1])
         _core._set_attend_split(*old[2])
+
+
+def test_torch_compile_fullgraph_is_refused_with_a_clear_error_and_without_it_runs_eagerly(
+        ferrox_llama):
+    """FerroxCache is no torch custom op: fullgraph tracing stops at the
+    first cache call with FerroxCompileError's message (not a trace failing
+    deep in dynamo on the C extension); without fullgraph the cache runs
+    eagerly between graph breaks and the logits are the uncompiled ones."""
+    from ferrox_kv.hf import COMPILE_REFUSED, FerroxCache
+    torch._dynamo.reset()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    full = torch.compile(ferrox_llama.forward, fullgraph=True)
+    with torch.no_grad(), pytest.raises(Exception) as err:
+        full(input_ids=ids, cache=FerroxCache(ferrox_llama.config), use_cache=True)
+    assert "FerroxCache does not run under torch.compile" in str(err.value)
+    assert COMPILE_REFUSED.split(":")[0] in str(err.value)
+    torch._dynamo.reset()
+    broken = torch.compile(ferrox_llama.forward)
+    compiled, eager = FerroxCache(ferrox_llama.config), FerroxCache(ferrox_llama.config)
+    with torch.no_grad():
+        for step in (ids, torch.tensor([[11]])):
+            a = broken(input_ids=step, cache=compiled, use_cache=True).logits
+            b = ferrox_llama(input_ids=step, cache=eager, use_cache=True).logits
+            assert torch.allclose(a, b, atol=1e-5)
+    assert compiled.get_seq_length() == eager.get_seq_length() == 5
+    assert not FerroxCache(ferrox_llama.config).is_compileable
+    torch._dynamo.reset()

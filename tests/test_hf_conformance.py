@@ -140,7 +140,7 @@ def test_generate_with_a_quantized_cache_is_exactly_sdpa_s(llama, backend, padde
         if os.environ.get("FERROX_KV_REQUIRE_INSTALLED"):
             __import__(package)                  # CI installs [quant]: never a silent skip
         else:
-            pytest.importorskip(package, reason="pip install 'ferrox_kv[quant]'")
+            pytest.importorskip(package, reason="pip install '.[quant]'")
     ids, mask = _inputs(padded, seed=3)           # longer than residual_length: quantized rows
     ref, got = _sdpa_and_ferrox(llama, lambda: _gen_out(
         llama, ids, mask, max_new_tokens=10, cache=QuantizedCache(backend, llama.config, **kw)))

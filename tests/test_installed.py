@@ -47,7 +47,7 @@ def test_importing_the_hf_module_without_torch_names_the_install_command():
             "try:\n    import ferrox_kv.hf\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=os.path.dirname(CHECKOUT))
-    assert "pip install 'ferrox_kv[hf]'" in out.stdout, out.stdout + out.stderr
+    assert "pip install '.[hf]'" in out.stdout, out.stdout + out.stderr
 
 
 def _cpu_level():

@@ -101,3 +101,11 @@ def test_readme_beyond_one_process_example_runs(capsys):
     assert saved["bytes"] > 2 * 16 * 2 * 2 * 8 * 4      # the rows of 2 blocks x 2 layers at least
     assert out[1] == "{'entries': 2, 'tokens': 32, 'present': 0, 'left_out': 0}"
     assert out[2] == "32 positions reused"
+
+
+def test_git_ignores_the_tiny_model_the_readme_serve_command_writes():
+    m = re.search(r"ferrox-kv serve (\./\S+) --make-tiny", open(os.path.join(ROOT, "README.md")
+                                                                ).read())
+    assert m, "the README's serve command"
+    ignored = open(os.path.join(ROOT, ".gitignore")).read().split()
+    assert "/" + m.group(1)[2:].rstrip("/") + "/" in ignored

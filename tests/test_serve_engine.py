@@ -113,6 +113,49 @@ def test_the_serve_subcommand_and_a_missing_model_dir(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "is not a directory" in out.stderr and "save_pretrained" in out.stderr
+    assert "--make-tiny" in out.stderr
+
+
+def test_a_missing_model_dir_is_said_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ferrox_kv.serve.cli import main\ntry:\n"
+            f"    main([{str(tmp_path / 'nope')!r}])\nexcept SystemExit as e:\n"
+            "    print('exit', e)\nprint('torch imported:', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert "is not a directory" in out.stdout and "--make-tiny" in out.stdout, out
+    assert "torch imported: False" in out.stdout, out
+
+
+def test_a_busy_port_is_refused_before_the_server_says_where_it_listens(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "ferrox_kv.serve", str(tmp_path),
+                              "--port", str(port)], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode != 0
+    assert "cannot listen on 127.0.0.1:" in out.stderr and "--port" in out.stderr, out.stderr
+    assert "on http://" not in out.stderr, out.stderr
+
+
+def test_the_help_texts_describe_the_commands_not_their_modules(tmp_path):
+    import subprocess
+    import sys
+
+    for args in (["serve", "--help"], ["bench", "--help"]):
+        out = subprocess.run([sys.executable, "-m", "ferrox_kv", *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        for internal in ("``", "uvicorn", "harness", "runner", "GROUP_MODULES", ".py"):
+            assert internal not in out.stdout, (args, internal)
 
 
 @pytest.mark.parametrize("temperature", [5.5e-72, 1e-320, 1e-30])
@@ -247,3 +290,20 @@ def test_prompts_admitted_together_prefill_in_one_forward_with_decode_and_equal_
         assert r.output_ids == want(r.prompt_ids, r.max_tokens), r.prompt_ids
     assert e.pool.free_blocks == e.pool.total_blocks and e.pool.cached_blocks > 0   # published
     e.pool.check()
+
+
+def test_the_tiny_model_writes_printable_text_greedy_and_sampled(parts):
+    """--make-tiny's model answered in U+FFFD; its output head now gives
+    every token that does not print a zero row."""
+    model, tok = parts
+    for prompt in ("The pool is", "Sphinx of black quartz", "é 😀 \x00"):
+        ids = torch.tensor([tok(prompt)["input_ids"] or [tok.bos_token_id]])
+        for sample in (False, True):
+            torch.manual_seed(3)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=48, do_sample=sample, temperature=1.0,
+                                     top_p=1.0, pad_token_id=tok.pad_token_id)
+            text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            assert text and "\ufffd" not in text, (prompt, sample, text)
+            assert all(c.isprintable() or c in "\n\t" for c in text), (prompt, sample, text)

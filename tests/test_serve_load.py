@@ -91,3 +91,92 @@ def test_a_short_run_of_the_whole_load_test(tmp_path):
                  "cached vs prefix cache off", "pool for 8", "blocks lost after the soak"):
         assert what in out.stdout, what
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_request_that_fails_in_transport_is_counted_not_raised(serve_load):
+    """64 clients in threads mode met httpx.ReadError and the script died
+    before its table: a transport error is a counted status now."""
+    import asyncio
+    import random
+
+    import httpx
+
+    def handler(request):
+        raise httpx.ReadError("connection reset", request=request)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await serve_load.one(client, "http://x", "p", 4)
+
+    assert asyncio.run(go())[0] == "error:ReadError"
+
+    real = httpx.AsyncClient
+
+    class Failing(real):
+        def __init__(self, **kw):
+            super().__init__(transport=httpx.MockTransport(handler), **kw)
+
+    serve_load.httpx.AsyncClient = Failing
+    try:
+        row = asyncio.run(serve_load.load("http://x", 3, 2, 4, random.Random(0), "s "))
+    finally:
+        serve_load.httpx.AsyncClient = real
+    assert row["errors"] == 6 and row["statuses"] == {"error:ReadError": 6}
+    assert "| 6 |" in serve_load.per_n([{**row, "mode": "batch"}], ["batch"])[-1]
+
+
+def test_every_server_started_is_stopped_when_a_health_check_fails(serve_load, monkeypatch):
+    """A health check that times out during clean-up used to skip the stop
+    step and leave the server running."""
+    stopped = []
+
+    class Proc:
+        def __init__(self):
+            self.rc = None
+
+        def poll(self):
+            return self.rc
+
+    class Srv:
+        url = "http://x"
+
+        def __init__(self, *a, **kw):
+            self.proc = Proc()
+
+        def wait_idle(self, timeout=60.0):
+            raise TimeoutError("health check timed out")
+
+        def rss_kib(self):
+            return 1
+
+        def stop(self, timeout=60.0):
+            stopped.append(self)
+            self.proc.rc = 0
+            return 0
+
+        def log(self):
+            return "ferrox-kv serve: stopped\n"
+
+    async def fake_load(*a, **kw):
+        return {"statuses": {"200": 1}, "requests": 1, "errors": 0}
+
+    monkeypatch.setattr(serve_load, "ServerProcess", Srv)
+    monkeypatch.setattr(serve_load, "load", fake_load)
+    monkeypatch.setattr(serve_load, "STARTED", [])
+
+    class Args:
+        kv_blocks, torch_threads, requests, max_tokens = 64, 1, 1, 2
+
+    rows, h, rc, _ = serve_load.run_mode("m", "batch", [1, 4], Args, "s")
+    assert len(rows) == 2 and h is None and rc == 0 and len(stopped) == 1
+
+    def boom(*a, **kw):
+        raise RuntimeError("the load itself failed")
+
+    monkeypatch.setattr(serve_load, "load", boom)
+    with pytest.raises(RuntimeError):
+        serve_load.run_mode("m", "batch", [1], Args, "s")
+    assert len(stopped) == 2
+    serve_load.start("m")                      # started, never stopped by its row
+    serve_load.stop_all()
+    assert len(stopped) == 3 and all(s.proc.poll() == 0 for s in serve_load.STARTED)

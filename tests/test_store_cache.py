@@ -263,3 +263,44 @@ def test_a_bad_max_seq_len_is_refused_before_any_cache_is_made(tmp_path, bad):
     assert pool_counts(pool) == before
     assert ferrox_kv.KvCache.load(path, max_seq_len=64).seq_len == c.seq_len
     pool.check()
+
+
+_SPARSE = """
+import resource, sys
+import ferrox_kv
+from ferrox_kv.store import StoreCorrupt
+resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+try:
+    {load}
+except StoreCorrupt as e:
+    print("StoreCorrupt", e.field)
+except MemoryError:
+    print("MemoryError")
+"""
+
+
+@pytest.mark.parametrize("which", ["KvCache", "FerroxCache"])
+def test_a_huge_sparse_file_is_store_corrupt_before_a_buffer_is_sized_by_it(tmp_path, which):
+    """A parked conversation extended to 16 GiB of holes: the layout is read
+    against the file's size first, so the load refuses it (StoreCorrupt) in
+    a process that could never allocate the file's size."""
+    import subprocess
+    import sys
+    if which == "FerroxCache":
+        pytest.importorskip("transformers")
+    path = tmp_path / "slot"
+    _cache("float32").save(path, fingerprint="m")
+    os.truncate(path, 16 << 30)
+    if which == "KvCache":
+        load, limit = f"ferrox_kv.KvCache.load({str(path)!r}, fingerprint='m')", 2 << 30
+    else:
+        load = ("import transformers; from ferrox_kv.hf import FerroxCache; "
+                "FerroxCache.load({!r}, transformers.LlamaConfig(num_hidden_layers=1, "
+                "num_attention_heads={}, num_key_value_heads={}, head_dim={}, "
+                "hidden_size={}), fingerprint='m')".format(
+                    str(path), STORE_HEADS, STORE_HEADS, STORE_DIM, STORE_HEADS * STORE_DIM))
+        limit = 8 << 30
+    out = subprocess.run([sys.executable, "-c", _SPARSE.format(limit=limit, load=load)],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(ferrox_kv.__file__)))
+    assert out.stdout.startswith("StoreCorrupt"), (out.stdout, out.stderr[-2000:])

@@ -350,3 +350,36 @@ def test_random_damage_to_a_value_or_a_file_raises_only_store_format_errors():
             assert bad != good
 
     damage()
+
+
+def _reseal_value(data, at, byte):
+    """A store value with ``data[at] = byte`` and both checksums recomputed:
+    damage no checksum sees (a writer that left junk in a pad byte)."""
+    import xxhash
+
+    from ferrox_kv.store._format import DIGEST, HEADER
+    buf = bytearray(data)
+    buf[at] = byte
+    size = struct.unpack_from("<I", buf, 12)[0]             # header_bytes
+    buf[size - DIGEST:size] = xxhash.xxh3_128_digest(bytes(buf[:size - DIGEST]))
+    buf[-DIGEST:] = xxhash.xxh3_128_digest(bytes(buf[size:-DIGEST]))
+    assert HEADER.size < size
+    return bytes(buf)
+
+
+def test_pad_bytes_that_are_not_zero_are_refused_naming_padding():
+    """FORMAT.md's pad bytes are zeros: in the header after the fingerprint,
+    after an entry's salt tag and after its salt, even with checksums that
+    match."""
+    from ferrox_kv.store._format import ENTRY, HEADER
+    fp = b"model@1"                                        # 76 + 7 bytes: 5 pad bytes
+    _, _, _, entries = _chain(n_tokens=4, salt="abc")      # 3 salt bytes: 5 pad bytes
+    value = encode_value(G, fp, entries[0])
+    decode_value(value, geometry=G, fingerprint=fp)
+    size = struct.unpack_from("<I", value, 12)[0]
+    for at in (HEADER.size + len(fp), size - 17, size + 25, size + 27,
+               size + ENTRY.size + 3, size + ENTRY.size + 7):
+        bad = _reseal_value(value, at, 0x5A)
+        with pytest.raises(StoreCorrupt) as e:
+            decode_value(bad, geometry=G, fingerprint=fp)
+        assert e.value.field == "padding", (at, e.value)

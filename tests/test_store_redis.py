@@ -269,6 +269,67 @@ def test_a_key_of_another_type_counts_as_an_error_and_keeps_the_run_before_it(se
     assert store.stats()["errors"] == 1
 
 
+def test_a_key_of_another_type_is_repaired_like_a_corrupt_value(server):
+    """The fetch that meets it deletes it (still of that type), and the next
+    publish writes the block; a publish also writes over one it meets."""
+    store = _store(server)
+    tokens, entries = _chain(64)
+    store.put_chain(G, entries)
+    c = server.client()
+    key = store.key(G, entries[2].key)
+    c.delete(key)
+    c.rpush(key, b"x")
+    assert _equal(store.get_chain(G, tokens), entries[:2])
+    assert c.exists(key) == 0                                # dropped
+    assert store.put_chain(G, entries) == 1                   # the next publish repairs it
+    assert _equal(store.get_chain(G, tokens), entries)
+    c.delete(key)
+    c.hset(key, "f", b"x")                                   # met by a publish first
+    assert store.put_chain(G, entries) == 1
+    assert c.type(key) == b"string" and _equal(store.get_chain(G, tokens), entries)
+
+
+def test_an_oversized_value_transfers_at_most_one_byte_past_a_value(server):
+    """32 MiB of junk under a block's key: the fetch reads one byte more than a
+    value can hold, rejects and drops it; the next publish repairs it."""
+    store = _store(server)
+    tokens, entries = _chain(64)
+    store.put_chain(G, entries)
+    c = server.client()
+    key = store.key(G, entries[1].key)
+    c.set(key, b"\0" * (32 << 20))
+    size = len(encode_value(G, FP, entries[0]))              # every value of G, no salt
+    before = store.stats()["bytes_fetched"]
+    assert _equal(store.get_chain(G, tokens), entries[:1])
+    s = store.stats()
+    assert s["bytes_fetched"] - before == size + size + 1 and s["rejected"] == 1
+    assert c.exists(key) == 0
+    assert store.put_chain(G, entries) == 1
+    assert _equal(store.get_chain(G, tokens), entries)
+    c.set(key, b"")                                          # an empty string: a miss,
+    assert store.put_chain(G, entries) == 1                   # and written over
+    assert _equal(store.get_chain(G, tokens), entries)
+
+
+def test_a_reservation_that_can_never_fit_reads_nothing_through_and_evicts_nothing(server):
+    """The read-through comes after the never-fits check: no lookup, no
+    import, the locally cached block kept."""
+    from conftest import lookup_rows, publish_seq
+    from ferrox_kv import KvPoolExhausted
+    writer = _attached(server)
+    publish_seq(writer, SYS_PROMPT, seed=7)
+    reader = _attached(server, total=12)
+    publish_seq(reader, [7, 7, 7, 7, 8], seed=3)                # one cached block per layer
+    before = reader.stats()
+    assert before["cached_blocks"] == 2
+    with pytest.raises(KvPoolExhausted):
+        KvCache.with_pool_many(2, 2, 32, reader, 400, tokens=SYS_PROMPT + [0])
+    s = reader.stats()
+    assert s["store_lookups"] == 0 and s["cached_blocks"] == 2 and s["used_blocks"] == 0
+    assert lookup_rows(reader, [7, 7, 7, 7, 8])[0] == 4          # the local block still there
+    reader.check()
+
+
 def test_bad_arguments_raise_before_any_io(server):
     c = server.client()
     with pytest.raises(ValueError, match="namespace"):
@@ -528,16 +589,20 @@ def test_a_slow_redis_is_a_counted_miss_within_the_timeout_and_takes_no_block(se
     reader.check()
 
 
-def test_a_full_pool_reads_through_what_fits_and_leaks_nothing(server):
+def test_a_busy_pool_refuses_without_reading_through_and_leaks_nothing(server):
+    """Refused for now (8 of 12 blocks held, 12 needed): nothing is read
+    from Redis, nothing imported, the pool as it was; once the blocks are
+    back the read-through fills the prefix."""
     from conftest import lookup_rows, publish_seq
     writer = _attached(server)
     publish_seq(writer, SYS_PROMPT, seed=7)
     reader = _attached(server, total=12)
     held = KvCache.with_pool_many(2, 2, 32, reader, 4 * 4)        # 8 of 12 blocks
     from ferrox_kv import KvPoolExhausted
-    with pytest.raises(KvPoolExhausted):          # 2 entries fit in what is free; 12 needed
+    with pytest.raises(KvPoolExhausted):
         lookup_rows(reader, SYS_PROMPT + [0])
-    assert reader.stats()["cached_blocks"] == 4
+    s = reader.stats()
+    assert s["cached_blocks"] == 0 and s["store_lookups"] == 0 and s["used_blocks"] == 8
     reader.check()
     for c in held:
         c.close()
@@ -590,6 +655,18 @@ def test_the_two_servers_example_shares_the_system_prompt(server):
     assert first.startswith("first server: reused 0 positions, prefilled 101;")
     assert "entries written 6" in first
     assert second.startswith("second server: reused 96 positions, prefilled 3; store hits 1")
+
+
+def test_the_two_servers_example_answers_help_and_a_bad_url_at_once():
+    """--help was taken as the Redis URL and the example blocked for 60 s."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", "two_servers_one_redis.py")
+    p = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
+                       timeout=20)
+    assert p.returncode == 0 and "usage:" in p.stdout and "url" in p.stdout, p
+    p = subprocess.run([sys.executable, path, "not-a-url"], capture_output=True, text=True,
+                       timeout=20)
+    assert p.returncode == 2 and "not a Redis URL" in p.stderr, p
 
 
 def test_the_threaded_example_run_twice_shares_its_system_prompt_through_redis(server):

@@ -17,8 +17,11 @@ GEOMETRIES = {
     "wide": (32, 128, 32),
 }
 BLOCK_SIZE = 16
-HF_INSTALL = "pip install 'ferrox_kv[hf]'"
-PLOT_INSTALL = "pip install 'ferrox_kv[plot]'"
+# hints name commands that work from the checkout (the package is not on an index)
+HF_INSTALL = "pip install '.[hf]' (from the ferrox_kv checkout)"
+PLOT_INSTALL = "pip install '.[plot]' (from the ferrox_kv checkout)"
+STORE_INSTALL = "pip install '.[store]' (from the ferrox_kv checkout)"
+REDIS_INSTALL = "pip install '.[redis]' (from the ferrox_kv checkout)"
 
 # the attention group: Llama-3-8B's attention (32 query heads over 8 KV heads x 128)
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM = 32, 8, 128
@@ -138,3 +141,6 @@ class Group:
     needs_hf: bool = False     # the whole group needs torch and transformers
     torch_rows: str = ""       # rows skipped without torch (said in the skipped line)
     hf_rows: str = ""          # rows skipped without transformers
+    # what of the group this environment skips for other reasons, and how to
+    # get it (None: nothing); said in the report's skipped line
+    missing: Callable[[], str | None] = lambda: None

@@ -28,6 +28,16 @@ GROUP_MODULES = ["push", "extend", "pool", "threads", "decode", "attention", "sh
 GROUPS = {g.slug: g for g in (importlib.import_module(f"ferrox_kv.bench.groups.{m}").GROUP
                               for m in GROUP_MODULES)}
 
+DESCRIPTION = """\
+The main job: measures ferrox_kv against the hardware's floor (a C loop doing
+the same memory traffic) and against what users write instead (a numpy array,
+transformers' DynamicCache, torch's SDPA), then prints a verdict line, one
+table per group and the targets. Every figure is a ratio taken in this one run.
+
+Groups that need something not installed here (torch and transformers; the
+store's xxhash and redis extras; a redis-server binary) are skipped, and the
+report says which and how to get them."""
+
 # JSON schema: 2 added "schema", "verdict", a "better" field on every row and
 # "hardware_bound" on every target; everything of 1 is unchanged.
 SCHEMA = 2
@@ -56,6 +66,15 @@ def skipped_line(groups, torch_ok, hf_ok):
             f"To run them: {HF_INSTALL}")
 
 
+def missing_line(groups):
+    """The line that names what the groups skip for other missing pieces
+    (an extra, a binary), and how to get them; None when nothing is."""
+    parts = [m for m in (GROUPS[slug].missing() for slug in groups) if m]
+    if not parts:
+        return None
+    return "skipped (not installed here): " + "; ".join(parts) + "."
+
+
 def _int_list(text):
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -78,7 +97,9 @@ def _group_list(text):
 def add_arguments(ap):
     """The bench's options (shared by ``ferrox-kv bench`` and
     ``python -m ferrox_kv.bench``)."""
-    ap.add_argument("--quick", action="store_true", help="a smoke run, about a minute")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: short contexts, 3 repetitions (several minutes on "
+                         "2 cores; each group logs its progress)")
     ap.add_argument("--json", metavar="FILE", help="write every figure here as JSON")
     ap.add_argument("--plot", metavar="FILE.png",
                     help=f"draw per-token cost against context, push and extend against "
@@ -114,6 +135,9 @@ def run(args):
     torch_ok = have_torch() if needs_torch else False
     hf_ok = have_hf() if needs_torch else False
     skipped = skipped_line(groups, torch_ok, hf_ok) if needs_torch else None
+    other = missing_line(groups)
+    if other:
+        skipped = other if skipped is None else skipped + "\n" + other
 
     res = Results()
     t_start = time.perf_counter()
@@ -171,7 +195,7 @@ def main(argv=None, prog="python -m ferrox_kv.bench"):
     """``python -m ferrox_kv.bench``: the same as ``ferrox-kv bench``."""
     from ferrox_kv.cli import quiet_on_closed_pipe
 
-    ap = argparse.ArgumentParser(prog=prog, description=sys.modules[__package__].__doc__,
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)

@@ -6,9 +6,11 @@ ferrox_kv pool.
         [--queue-timeout S] [--host 127.0.0.1] [--port 8000]
 
 Modules: ``engine`` (admission, the FIFO queue and the continuous-batching
-step loop), ``app`` (the FastAPI routes, streaming, errors), ``metrics``
+step loop), ``text`` (the incremental detokenizer, stop strings and the
+stream's hold-back; no model needed), ``app`` (the FastAPI routes,
+streaming, errors), ``metrics``
 (Prometheus), ``cli`` (arguments, loading, uvicorn, graceful shutdown).
-Needs ``pip install 'ferrox_kv[serve]'`` (FastAPI, uvicorn,
+Needs ``pip install '.[serve]'`` (FastAPI, uvicorn,
 prometheus_client, with torch and transformers); the rest of ferrox_kv never
 imports this package.
 """

@@ -17,12 +17,14 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      StrictBool, StrictInt)
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrox_kv.serve.engine import NeverFits, Overloaded, Request, Sampling
 
@@ -32,30 +34,52 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 
 
+def _valid_unicode(v: str) -> str:
+    """A string that encodes to UTF-8 (JSON can carry an unpaired surrogate,
+    ``"\\ud800"``, which no tokenizer takes)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: an unpaired surrogate at character "
+                         f"{e.start}") from None
+    return v
+
+
+def _json_number(v):
+    """A JSON number (int or float), as OpenAI takes: never a bool nor a string."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"must be a number, got {type(v).__name__}")
+    return v
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Number = Annotated[float, BeforeValidator(_json_number)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class _Common(_Strict):
-    model: str | None = None
+    model: Text | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: StrictInt | None = Field(default=None, ge=1, le=1)
     stream: StrictBool | None = False
     stream_options: dict[str, StrictBool] | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Text | None = Field(default=None, max_length=256)
     # accepted at their defaults only (a client library may send them)
-    presence_penalty: float | None = Field(default=None, ge=0.0, le=0.0)
-    frequency_penalty: float | None = Field(default=None, ge=0.0, le=0.0)
+    presence_penalty: Number | None = Field(default=None, ge=0.0, le=0.0)
+    frequency_penalty: Number | None = Field(default=None, ge=0.0, le=0.0)
     logprobs: Literal[False] | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+    logit_bias: dict[str, Number] | None = Field(default=None, max_length=0)
 
 
 class CompletionBody(_Common):
-    prompt: Union[str, list[StrictInt]]
+    prompt: Union[Text, list[StrictInt]]
     echo: Literal[False] | None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
     suffix: None = None
@@ -63,13 +87,13 @@ class CompletionBody(_Common):
 
 class _Part(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[_Part]
-    name: str | None = None
+    content: Text | list[_Part]
+    name: Text | None = None
 
 
 class ChatBody(_Common):
@@ -77,9 +101,33 @@ class ChatBody(_Common):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote what a
+    client sent (a field's name), which may hold an unpaired surrogate."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
+
+
 def _error(status, message, param=None, code=None, kind="invalid_request_error", headers=None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status, headers=headers)
+    return _AsciiJSON({"error": {"message": message, "type": kind, "param": param,
+                                 "code": code}}, status_code=status, headers=headers)
+
+
+_HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed",
+               413: "body_too_large"}
+
+
+def _fields(loc):
+    """The body's field names and list indexes in a validation error's
+    location, without pydantic's tags for the members of a union."""
+    return [str(x) for x in loc if x != "body" and (
+        isinstance(x, int) or (isinstance(x, str) and x.isidentifier()))]
+
+
+def _param(loc):
+    return ".".join(_fields(loc)) or None
 
 
 def _overloaded(e: Overloaded):
@@ -140,12 +188,27 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
     vocab = engine.model.get_input_embeddings().num_embeddings    # ids the model can embed
     created = int(time.time())
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        # routing (404, 405) and the body parser (400: not UTF-8, JSON nested
+        # too deep) answer in OpenAI's error shape too
+        status = exc.status_code
+        message = {404: f"no route {request.url.path!r}; this server has /v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health and /metrics",
+                   405: f"{request.method} is not allowed on {request.url.path!r}",
+                   400: f"the body could not be parsed as JSON ({exc.detail}): it must be "
+                        "UTF-8 JSON, nested at most a few hundred levels"}.get(
+            status, str(exc.detail))
+        return _error(status, message, code=_HTTP_CODES.get(status),
+                      kind="invalid_request_error" if status < 500 else "server_error",
+                      headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
         errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        # of a union's members, the error of the one that got furthest in
+        first = max(errs, key=lambda e: len(_fields(e.get("loc", ()))), default={})
+        param = _param(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return _error(400, "the body is not valid JSON: " + str(first.get("msg", "")),
                           code="invalid_json")
@@ -158,8 +221,13 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
 
     @app.get("/health")
     async def health():
-        s = engine.pool.stats()
-        return {"status": "draining" if engine._draining else "ok", **engine.stats(),
+        # one snapshot: the engine takes and gives back blocks under its lock,
+        # so the counts and the pool's figures agree (a request retired
+        # between two separate reads looked idle with its blocks still held)
+        with engine._cv:
+            running = engine.stats()
+            s = engine.pool.stats()
+        return {"status": "draining" if engine._draining else "ok", **running,
                 "free_blocks": s["free_blocks"], "used_blocks": s["used_blocks"],
                 "cached_blocks": s["cached_blocks"], "total_blocks": s["total_blocks"]}
 
@@ -193,6 +261,15 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
         t = 1.0 if body.temperature is None else body.temperature
         return Sampling(t, 1.0 if body.top_p is None else body.top_p, body.seed)
 
+    def _encode(text, param, **kw):
+        """The ids of ``text``; a tokenizer that refuses it is the client's
+        400 naming ``param``, never a 500."""
+        try:
+            return list(tok(text, **kw)["input_ids"])
+        except Exception as e:
+            raise _Bad(f"{param}: the tokenizer refused the text ({type(e).__name__}: {e})",
+                       param) from None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HttpRequest):
         try:
@@ -200,7 +277,11 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
             if not body.prompt:
                 raise _Bad("prompt is empty; send at least one token", "prompt")
             if isinstance(body.prompt, str):
-                ids = tok(body.prompt)["input_ids"]
+                ids = _encode(body.prompt, "prompt")
+                if not ids:
+                    raise _Bad("prompt: this model's tokenizer encodes it to no tokens; send "
+                               "text it encodes, or token ids", "prompt",
+                               code="empty_prompt")
             else:
                 ids = body.prompt
                 if any(i < 0 or i >= vocab for i in ids):
@@ -220,7 +301,7 @@ def make_app(engine, metrics, *, model_name, default_max_tokens=256, max_body=1 
                 text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             except Exception as e:
                 raise _Bad(f"messages: the chat template refused them: {e}", "messages")
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = _encode(text, "messages", add_special_tokens=False)
             if not ids:
                 raise _Bad("messages: the chat template produced an empty prompt", "messages")
             max_tokens = body.max_completion_tokens or body.max_tokens

@@ -10,9 +10,23 @@ once. The process never forks: uvicorn runs in it with one worker.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 import threading
+
+DESCRIPTION = """\
+An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics) over a local transformers checkpoint, whose
+KV lives in one ferrox_kv pool: continuous batching, admission by the pool
+(a request that cannot get its blocks waits, then gets 503 + Retry-After),
+a prefix cache per tenant.
+
+SIGTERM (or Ctrl-C) stops admitting and lets the running requests finish,
+up to --shutdown-timeout seconds; a second signal exits at once.
+
+    ferrox-kv serve ./tiny-llama --make-tiny     # a tiny random model, offline"""
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
@@ -82,9 +96,7 @@ def load(args):
     if args.make_tiny and not os.path.exists(args.model_dir):
         from ferrox_kv.serve.tiny import make_model_dir
         make_model_dir(args.model_dir)
-    if not os.path.isdir(args.model_dir):
-        raise SystemExit(f"ferrox-kv serve: {args.model_dir!r} is not a directory; pass the path "
-                         "of a checkpoint saved with save_pretrained (model and tokenizer)")
+    check_model_dir(args)
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise SystemExit(f"ferrox-kv serve: --torch-threads must be >= 1, got {args.torch_threads}")
@@ -110,7 +122,39 @@ def load(args):
     return model, tokenizer, pool
 
 
+def check_model_dir(args):
+    """Stops (before torch is imported) when MODEL_DIR is not a directory,
+    saying what to pass."""
+    if not os.path.isdir(args.model_dir) and not (args.make_tiny
+                                                  and not os.path.exists(args.model_dir)):
+        raise SystemExit(f"ferrox-kv serve: {args.model_dir!r} is not a directory; pass the path "
+                         "of a checkpoint saved with save_pretrained (model and tokenizer), or "
+                         "add --make-tiny to write a tiny random model there first")
+
+
+def bind(host, port):
+    """A listening TCP socket on (host, port), or SystemExit saying why."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise SystemExit(f"ferrox-kv serve: cannot listen on {host}:{port}: {e}")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"ferrox-kv serve: cannot listen on {host}:{port}: {e.strerror or e}"
+                         + ("; another process holds the port: pass another --port"
+                            if e.errno == errno.EADDRINUSE else ""))
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args) -> int:
+    check_model_dir(args)
     try:
         import uvicorn
 
@@ -119,7 +163,8 @@ def run(args) -> int:
         from ferrox_kv.serve.metrics import Metrics
     except ImportError as e:
         print(f"ferrox-kv serve needs FastAPI, uvicorn and prometheus_client: "
-              f"pip install 'ferrox_kv[serve]' ({e})", file=sys.stderr)
+              f"pip install '.[serve]' from the ferrox_kv checkout ({e})",
+              file=sys.stderr)
         return 2
     for name in ("max_batch", "prefill_chunk"):
         if getattr(args, name) < 1:
@@ -129,6 +174,7 @@ def run(args) -> int:
         print(f"ferrox-kv serve: --threads-cache {args.threads_cache} is the threads mode's "
               "baseline; pass --mode threads with it", file=sys.stderr)
         return 2
+    sock = bind(args.host, args.port)          # before the model: a busy port says so at once
     model, tokenizer, pool = load(args)
     metrics = Metrics(pool)
     engine = Engine(model, tokenizer, pool, mode=args.mode, max_batch=args.max_batch,
@@ -160,13 +206,15 @@ def run(args) -> int:
     server = Server(config)
     engine.start()
     mode = args.mode + (f", {args.threads_cache} cache" if args.mode == "threads" else "")
-    print(f"ferrox-kv serve: {name} on http://{args.host}:{args.port} ({mode} mode, "
+    port = sock.getsockname()[1]
+    print(f"ferrox-kv serve: {name} on http://{args.host}:{port} ({mode} mode, "
           f"{pool.total_blocks} blocks of {pool.block_size} positions, prefix cache "
           f"{'on' if pool.prefix_cache else 'off'})", file=sys.stderr, flush=True)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.close()
+        sock.close()
     stats = pool.stats()
     try:
         pool.check()
@@ -183,7 +231,7 @@ def run(args) -> int:
 
 
 def main(argv=None, prog="ferrox-kv serve") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return run(ap.parse_args(argv))

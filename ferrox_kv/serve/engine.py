@@ -54,6 +54,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv._core import _extend_each
 from ferrox_kv.hf import ATTENTION, _rows, kv_geometry
+from ferrox_kv.serve.text import TextStream
 
 __all__ = ["Engine", "NeverFits", "Overloaded", "Request", "Sampling"]
 
@@ -113,10 +114,13 @@ class Request:
     """One generation: what it asks for, and what the engine reports back
     through ``emit(kind, payload)`` (called from the engine's threads;
     ``"token"`` with the new text, then ``"done"`` with the finish reason, or
-    ``"error"`` with an exception)."""
+    ``"error"`` with an exception). A request has at least one prompt id
+    (``ValueError`` otherwise): with none it could never make progress."""
 
     def __init__(self, prompt_ids, max_tokens, sampling, stop=(), tenant=None, emit=None):
         self.prompt_ids = [int(t) for t in prompt_ids]
+        if not self.prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
         self.max_tokens = int(max_tokens)
         self.sampling = sampling
         self.stop = tuple(s for s in stop if s)
@@ -126,13 +130,18 @@ class Request:
         self.caches: list[KvCache] | None = None
         self.cached_tokens = 0
         self.output_ids: list[int] = []
-        self.text = ""
-        self.sent = 0                     # characters of text already emitted
+        self.stream: TextStream | None = None   # made by the engine at the first token
         self.finish_reason = None
         self.arrived = time.monotonic()
         self.admitted_at = None
         self.first_token_at = None
         self.last_token_at = None
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (cut at a stop string): what the chunks
+        emitted join to once the request is done."""
+        return "" if self.stream is None else self.stream.text
 
     @property
     def reserve(self) -> int:
@@ -538,6 +547,18 @@ class Engine:
                     prefilling.append(r)
             elif r.output_ids:
                 decoding.append(r)
+        # every running request prefills or decodes: one that can do neither
+        # would hold its reservation and a batch slot for good
+        stuck = [r for r in batch if not (r.cancelled or r.finish_reason is not None
+                                          or r in decoding)
+                 and r.caches[0].seq_len >= len(r.prompt_ids)]
+        if stuck:
+            with self._cv:
+                for r in stuck:
+                    self._fail(r, RuntimeError(
+                        "ferrox_kv.serve: a request could make no progress (its prompt is in "
+                        "and it has no token); it was failed and its blocks given back"))
+            batch = [r for r in batch if r not in stuck]
         seqs = decoding + prefilling
         if seqs:
             t0 = time.perf_counter()
@@ -588,40 +609,29 @@ class Engine:
         elif self.metrics is not None:
             self.metrics.inter_token(now - r.last_token_at)
         r.last_token_at = now
+        if r.stream is None:
+            r.stream = TextStream(self._decode, r.stop)
+        if token in self.eos:                    # not part of the text, nor of the usage
+            self._end(r, *r.stream.finish(), "stop")
+            return
         r.output_ids.append(token)
-        if token in self.eos:
-            r.output_ids.pop()                   # not part of the text, nor of the usage
+        delta, stopped = r.stream.push(token)
+        if delta:
+            r.emit("token", delta)
+        if stopped:
             self._finish(r, "stop")
-            return
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        stop_at = -1
-        for s in r.stop:
-            i = text.find(s, max(0, r.sent - len(s)))
-            if i >= 0 and (stop_at < 0 or i < stop_at):
-                stop_at = i
-        if stop_at >= 0:
-            r.text = text[:stop_at]
-            self._flush(r)
-            self._finish(r, "stop")
-            return
-        r.text = text
-        # hold back an incomplete character, and a tail that may start a stop string
-        hold = 1 if text.endswith("\ufffd") else 0
-        for s in r.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        self._flush(r, len(text) - hold)
-        if len(r.output_ids) >= r.max_tokens:
-            self._flush(r)
-            self._finish(r, "length")
+        elif len(r.output_ids) >= r.max_tokens:
+            self._end(r, *r.stream.finish(), "length")
 
-    def _flush(self, r, upto=None):
-        upto = len(r.text) if upto is None else upto
-        if upto > r.sent:
-            r.emit("token", r.text[r.sent:upto])
-            r.sent = upto
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _end(self, r, delta, stopped, reason):
+        """The request ends (``reason``, or "stop" when the text's last part
+        held a stop string): the held text goes out first."""
+        if delta:
+            r.emit("token", delta)
+        self._finish(r, "stop" if stopped else reason)
 
     def _finish(self, r, reason):
         r.finish_reason = reason

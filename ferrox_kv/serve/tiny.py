@@ -3,7 +3,12 @@
 with ``save_pretrained``) and a byte-level BPE tokenizer trained here with
 the ``tokenizers`` library (``PreTrainedTokenizerFast``, with a chat
 template). The weights are random, so the text is meaningless; the server's
-behaviour (batching, admission, streaming, metrics) is what it shows.
+behaviour (batching, admission, streaming, metrics) is what it shows. The
+output head gives every token whose text is not printable (a piece of a
+multi-byte character, a control byte, ``<s>``, ``<pad>``) a zero row and the
+printable ones rows whose logits spread over about +-8 x sqrt(hidden), so
+the model writes printable text, greedy or sampled (the byte-level
+vocabulary itself still encodes any input).
 
     python -m ferrox_kv.serve.tiny ./tiny-llama && ferrox-kv serve ./tiny-llama
 """
@@ -57,14 +62,36 @@ def make_model_dir(path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=N
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim or hidden // heads,
         max_position_embeddings=context, bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
+    printable_head(model, fast)
     model.generation_config.pad_token_id = fast.pad_token_id
     model.generation_config.eos_token_id = fast.eos_token_id
     model.save_pretrained(path)
     return str(path)
 
+
+
+def _printable(text):
+    return bool(text) and "\ufffd" not in text and all(c.isprintable() or c in "\n\t"
+                                                       for c in text)
+
+
+def printable_head(model, tokenizer):
+    """Rows of the output head: zero for the tokens whose text is not
+    printable, random with a logit spread of about 8 for the rest (the final
+    norm's output has a norm of about sqrt(hidden)), so that every token the
+    model can be expected to pick, greedy or sampled, prints."""
+    import torch
+    w = model.lm_head.weight
+    special = set(tokenizer.all_special_ids) - {tokenizer.eos_token_id}
+    keep = torch.tensor([i not in special and (i == tokenizer.eos_token_id or _printable(
+        tokenizer.decode([i]))) for i in range(w.shape[0])])
+    with torch.no_grad():
+        w.zero_()
+        w[keep] = torch.randn(int(keep.sum()), w.shape[1]) * (8.0 / w.shape[1] ** 0.5)
 
 
 def main(argv=None):

@@ -6,7 +6,8 @@ block is the whole conversation: ``block_size`` = its positions, ``n_layers``
 = its layers, the token ids (zeros and the entry flag ``FLAG_NO_TOKENS`` when
 the caller gave none), every layer's stored rows. It is written atomically
 and verified whole before a row is written into a cache, like any prefix
-file; a load given the resumed conversation's ids checks them against the
+file (its layout is checked against the file's size before any buffer is
+sized by it); a load given the resumed conversation's ids checks them against the
 saved ones first.
 """
 from __future__ import annotations
@@ -16,20 +17,24 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ferrox_kv.store._files import read_whole, save_file
+from ferrox_kv.store._files import open_regular, save_file
 from ferrox_kv.store._format import (
+    DIGEST,
     ENTRY,
     FLAG_NO_TOKENS,
+    HEADER,
     KIND_FILE,
+    MAX_FINGERPRINT,
     Geometry,
     StoreCorrupt,
     StoreMismatch,
     _header,
     _tokens_i32,
     _view,
-    decode_file,
     entries_from_rows,
     fingerprint_bytes,
+    read_entry,
+    scan_file,
 )
 
 UNNAMED = b"ferrox_kv:unnamed model"    # the fingerprint of a save that gives none
@@ -82,17 +87,22 @@ def read_layers(path: str | os.PathLike[str], *, fingerprint: Any = None, tokens
     ids)."""
     fp = _fp(fingerprint)
     want = None if tokens is None else _tokens_i32(tokens)
-    buf = read_whole(path)
-    view = _view(buf)
-    g, _, _, head = _header(view, KIND_FILE, None, None)
-    dec = decode_file(buf, geometry=g, fingerprint=fp, allowed_flags=FLAG_NO_TOKENS)
-    if len(dec.entries) != 1:
-        raise StoreMismatch("n_entries", f"a parked conversation is one entry; this file holds "
-                                         f"{len(dec.entries)} (load it with pool.load_prefixes)")
-    e = dec.entries[0]
+    # the layout is scanned and checked against the file's size (header,
+    # record headers, trailer, file checksum) before a buffer is sized by it
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(HEADER.size + MAX_FINGERPRINT + 8 + DIGEST)    # the longest header
+        g = _header(_view(head), KIND_FILE, None, None)[0]
+        scan = scan_file(f, size, geometry=g, fingerprint=fp)
+        if len(scan.offsets) != 1:
+            raise StoreMismatch("n_entries", f"a parked conversation is one entry; this file "
+                                             f"holds {len(scan.offsets)} (load it with "
+                                             "pool.load_prefixes)")
+        buf = np.empty(scan.sizes[0], np.uint8)
+        e = read_entry(f, scan, 0, buf, allowed_flags=FLAG_NO_TOKENS)
     if e.depth != 0:
         raise StoreCorrupt("depth", "a parked conversation's entry is at depth 0")
-    saved = None if ENTRY.unpack_from(view, head)[1] & FLAG_NO_TOKENS else e.tokens
+    saved = None if ENTRY.unpack_from(buf, 0)[1] & FLAG_NO_TOKENS else e.tokens
     if want is not None:
         n = g.block_size
         if saved is None:

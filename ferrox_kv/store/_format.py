@@ -20,8 +20,8 @@ try:
     import xxhash
 except ModuleNotFoundError as _e:                       # pragma: no cover
     raise ImportError(
-        "ferrox_kv.store needs the xxhash package: pip install 'ferrox_kv[store]' "
-        "(or 'ferrox_kv[redis]', which includes it)") from _e
+        "ferrox_kv.store needs the xxhash package: pip install '.[store]' from the "
+        "ferrox_kv checkout (or '.[redis]', which includes it)") from _e
 
 VERSION = 1
 FILE_MAGIC = b"FXKVPFX\x00"
@@ -329,6 +329,15 @@ def _entry_parts(geometry: Geometry, e: Entry, flags: int = 0) -> list[Any]:
     return parts
 
 
+def value_bytes(geometry: Geometry, fingerprint: Any, salt: Any = None) -> int:
+    """The exact size of a store value (``encode_value``) of ``geometry`` for
+    ``fingerprint`` under ``salt``: a value of any other size is corrupt."""
+    g = geometry.check()
+    _, sdata = encode_salt(salt)
+    return (_header_size(len(fingerprint_bytes(fingerprint))) + ENTRY.size + len(sdata)
+            + _pad8(len(sdata)) + 4 * g.block_size + g.payload_bytes + DIGEST)
+
+
 def encode_value(geometry: Geometry, fingerprint: Any, entry: Entry) -> bytes:
     """One store value: a header (kind "value", one entry) and the entry, whole."""
     geometry = geometry.check()
@@ -451,6 +460,8 @@ def _header(buf: memoryview, kind: int, geometry: Geometry | None,
         raise StoreCorrupt("header checksum", "the header's bytes do not match its checksum")
     if reserved != 0:
         raise StoreCorrupt("reserved", "reserved header field is not zero")
+    if any(bytes(buf[HEADER.size + fp_len:size - DIGEST])):
+        raise StoreCorrupt("padding", "the header's padding is not zero")
     try:
         dtype = dtype_raw.rstrip(b"\x00").decode("ascii")
         got = Geometry(bs, nl, nh, hd, vhd, dtype).check()
@@ -499,6 +510,9 @@ def _entry(buf: memoryview, at: int, g: Geometry, origin: int = 0,
                                              "checksum")
     if flags & ~allowed_flags:
         raise StoreCorrupt("flags", f"entry at byte {pos} has unknown flags {flags:#x}")
+    if any(bytes(buf[at + 25:at + 28])) or any(
+            bytes(buf[at + ENTRY.size + salt_len:start])):
+        raise StoreCorrupt("padding", f"entry at byte {pos}: its padding is not zero")
     if n_tokens != g.block_size:
         raise StoreCorrupt("n_tokens", f"entry at byte {pos} holds {n_tokens} tokens, "
                                        f"not a block of {g.block_size}")
@@ -658,7 +672,8 @@ def scan_file(f: Any, size: int, *, geometry: Geometry, fingerprint: Any) -> Sca
     return out
 
 
-def read_entry(f: Any, scan: Scanned, i: int, buf: np.ndarray) -> Entry:
+def read_entry(f: Any, scan: Scanned, i: int, buf: np.ndarray,
+               allowed_flags: int = 0) -> Entry:
     """Entry ``i`` of a scanned file, read whole into ``buf`` (uint8, at least
     the record's bytes; the entry's arrays are views of it) and verified: its
     checksum, chained key, and that it is the record ``scan`` saw (depth, key,
@@ -668,7 +683,8 @@ def read_entry(f: Any, scan: Scanned, i: int, buf: np.ndarray) -> Entry:
     if read_into(f, at, view) < n:
         raise StoreCorrupt("truncated", f"ends inside the entry at byte {at} (the file "
                                         "shrank while it was read)")
-    e, checksum, _ = _entry(view.toreadonly(), 0, scan.geometry, origin=at)
+    e, checksum, _ = _entry(view.toreadonly(), 0, scan.geometry, origin=at,
+                            allowed_flags=allowed_flags)
     if (checksum != scan.checksums[i] or e.depth != scan.depths[i] or e.key != scan.keys[i]
             or e.parent != scan.parents[i] or type(e.salt) is not type(scan.salts[i])
             or e.salt != scan.salts[i] or not np.array_equal(e.tokens, scan.tokens[i])):

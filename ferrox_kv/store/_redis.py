@@ -18,12 +18,29 @@ from ferrox_kv.store._format import (
     decode_value,
     encode_value,
     fingerprint_bytes,
+    value_bytes,
 )
 
 # delete a key only while it still holds the value that was rejected (its SHA-1)
 _DROP_IF_SAME = """
 local v = redis.call('GET', KEYS[1])
 if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# delete a key only while it is still of another type than a string
+_DROP_IF_NOT_STRING = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# delete a key only while it is still a string longer than any value can be
+_DROP_IF_LONGER = """
+if redis.call('TYPE', KEYS[1])['ok'] == 'string'
+   and redis.call('STRLEN', KEYS[1]) > tonumber(ARGV[1]) then
+  return redis.call('DEL', KEYS[1])
+end
 return 0
 """
 
@@ -37,7 +54,7 @@ def _redis() -> Any:
         import redis
     except ModuleNotFoundError as e:
         raise ImportError("RedisPrefixStore needs the redis client: "
-                          "pip install 'ferrox_kv[redis]'") from e
+                          "pip install '.[redis]' from the ferrox_kv checkout") from e
     return redis
 
 
@@ -57,9 +74,14 @@ class RedisPrefixStore:
     Redis faults never raise: a connection error, a timeout or a value that
     fails verification counts (``errors``, ``rejected``) and the call returns
     what it had (a miss). A rejected value is deleted (if it is still the same
-    value), so that the next publish of that block repairs it. Each call stops at its first fault, so it returns
-    within its round trips (at most 2 + one per ``batch_bytes`` of values)
-    times ``timeout``. Wrong arguments (a bad geometry, entries that do not
+    value), and so is a key of another type than a string under the store's
+    keys (if it still is), so that the next publish of that block repairs it;
+    a publish also overwrites any key that is not a string of a value's exact
+    size. A fetch reads at most one byte more than a value's exact size
+    (``GETRANGE``), so one round trip receives at most ``batch_bytes`` plus
+    one byte per value, whatever junk a key holds. Each call stops at its
+    first fault, so it returns within its round trips (at most 2 + one per
+    ``batch_bytes`` of values) times ``timeout``. Wrong arguments (a bad geometry, entries that do not
     chain) raise ``ValueError``/``TypeError`` before any I/O.
 
     Thread-safe: one store may serve many threads (the client's connection
@@ -124,8 +146,9 @@ class RedisPrefixStore:
         ``hits`` (lookups that returned an entry) and ``misses``;
         ``entries_fetched``/``tokens_fetched`` (verified), ``bytes_fetched``
         (value bytes received); ``entries_written``, ``tokens_written``,
-        ``bytes_written``; ``errors`` (connection errors, timeouts, wrong-type
-        keys); ``rejected`` (values that failed verification)."""
+        ``bytes_written``; ``errors`` (connection errors, timeouts, keys of
+        another type, which are deleted); ``rejected`` (values that failed
+        verification, or longer than a value can be; deleted)."""
         with self._lock:
             return dict(self._stats)
 
@@ -137,19 +160,23 @@ class RedisPrefixStore:
     def put_chain(self, geometry: Geometry, entries: Sequence[Entry]) -> int:
         """Write consecutive entries of one sequence (the first at any depth,
         each the parent of the next) that Redis does not hold yet: one round
-        trip to ask which exist, then one per ``batch_bytes`` of values to set
-        (each one ``SET``, so a reader sees a value whole or not at all).
-        Returns how many were written; a fault stops the call (counted)."""
+        trip to ask which keys hold a string of the value's exact size
+        (``STRLEN``; a key of another type or size is written over), then one
+        per ``batch_bytes`` of values to set (each one ``SET``, so a reader
+        sees a value whole or not at all). Returns how many were written; a
+        fault stops the call (counted)."""
         geometry = geometry.check()
         entries = list(entries)
         check_run(geometry, entries)
         keys = [self.key(geometry, e.key) for e in entries]
+        sizes = [value_bytes(geometry, self._fp, e.salt) for e in entries]
         written = tokens = nbytes = 0
         try:
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
-                pipe.exists(k)
-            present = pipe.execute()
+                pipe.strlen(k)
+            lengths = pipe.execute(raise_on_error=False)
+            present = [n == size for n, size in zip(lengths, sizes)]   # WRONGTYPE: not
             todo = [i for i, p in enumerate(present) if not p]
             if self.ttl is not None and len(todo) < len(keys):
                 pipe = self._client.pipeline(transaction=False)
@@ -184,6 +211,7 @@ class RedisPrefixStore:
         round trip per ``batch_bytes`` of values. Each value is verified
         (geometry, dtype, fingerprint, checksum, salt, token ids, depth, parent
         link); the run stops at the first missing, failing or unreachable one.
+        Each ``GETRANGE`` reads at most one byte past a value's exact size.
         The entries' arrays are read-only views of the fetched values."""
         geometry = geometry.check()
         if type(start) is not int or start < 0:
@@ -194,7 +222,8 @@ class RedisPrefixStore:
         tokens = _tokens_i32(tokens).copy()           # a private copy: checked against values
         chain = chain_keys(tokens, bs, salt)
         stop = len(chain) if limit is None else min(len(chain), start + limit)
-        per_batch = max(1, self.batch_bytes // (geometry.payload_bytes + 4 * bs + 256))
+        size = value_bytes(geometry, self._fp, salt)
+        per_batch = max(1, self.batch_bytes // (size + 1))
         got: list[Entry] = []
         received = rejected = errors = 0
         at = start
@@ -202,17 +231,25 @@ class RedisPrefixStore:
             while at < stop:
                 upto = min(stop, at + per_batch)
                 pipe = self._client.pipeline(transaction=False)
-                for i in range(at, upto):
-                    pipe.get(self.key(geometry, chain[i]))
+                for i in range(at, upto):               # one byte past a value's size
+                    pipe.getrange(self.key(geometry, chain[i]), 0, size)
                 values = pipe.execute(raise_on_error=False)
                 ok = 0
                 for i, value in zip(range(at, upto), values):
-                    if value is None:
-                        break
                     if isinstance(value, Exception):
                         errors += 1
+                        if "WRONGTYPE" in str(value):
+                            self._client.eval(_DROP_IF_NOT_STRING, 1,
+                                              self.key(geometry, chain[i]))
+                        break
+                    if not value:                        # no key (or an empty string)
                         break
                     received += len(value)
+                    if len(value) > size:
+                        rejected += 1
+                        self._client.eval(_DROP_IF_LONGER, 1, self.key(geometry, chain[i]),
+                                          size)
+                        break
                     try:
                         got.append(decode_value(
                             value, geometry=geometry, fingerprint=self._fp, key=chain[i],

@@ -17,7 +17,8 @@ import time
 import warnings
 
 from ferrox_kv import KvBlockPool, KvCache
-from ferrox_kv.bench.common import BLOCK_SIZE, HF_INSTALL, Group, Torch1, log
+from ferrox_kv.bench.common import (BLOCK_SIZE, HF_INSTALL, REDIS_INSTALL, STORE_INSTALL, Group,
+                                    Torch1, log, try_import)
 from ferrox_kv.bench.harness import best_of, rows
 from ferrox_kv.bench.targets import Target
 
@@ -85,7 +86,7 @@ def _redis_server():
     try:
         import redis
     except ModuleNotFoundError:
-        return None, "the redis extra is not installed (pip install 'ferrox_kv[redis]')"
+        return None, f"the redis extra is not installed ({REDIS_INSTALL})"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -264,7 +265,8 @@ def bench_ttft(res, quick, reps, url):
     """examples/threaded_generate.py --redis URL as two processes, one after
     the other, on an emptied Redis: the first request's time to first token
     (its prefix-cache run) in the second process vs the first. Best of
-    ``reps`` pairs."""
+    ``reps`` pairs (one in a quick run: each process loads torch and the
+    model, some seconds)."""
     import redis
     path = _example()
     if path is None:
@@ -275,9 +277,11 @@ def bench_ttft(res, quick, reps, url):
     best = {"first": float("inf"), "second": float("inf")}
     reused = {}
     client = redis.Redis.from_url(url, socket_timeout=5)
-    for _ in range(max(1, min(reps, 3))):
+    pairs = 1 if quick else max(1, min(reps, 3))
+    for pair in range(pairs):
         client.flushdb()
         for name in ("first", "second"):
+            log(f"store: two processes, pair {pair + 1} of {pairs}: the {name}")
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
                 raise RuntimeError(f"{path} failed: {out.stderr[-2000:]}")
@@ -297,8 +301,9 @@ def run(r):
     try:
         import xxhash  # noqa: F401
     except ModuleNotFoundError:
-        log("store: skipped: ferrox_kv.store needs pip install 'ferrox_kv[store]'")
+        log(f"store: skipped: ferrox_kv.store needs xxhash: {STORE_INSTALL}")
         return
+    log("store: a prefix file loaded vs extend")
     bench_file(r.res, r.quick, r.reps)
     server, why = _redis_server()
     if server is None:
@@ -306,9 +311,12 @@ def run(r):
         return
     proc, folder, url = server
     try:
+        log("store: a Redis hit and a miss vs extend")
         bench_redis(r.res, r.quick, r.reps, url)
         if r.hf_ok:
+            log("store: a Redis hit vs the hf model's prefill; the fetch rate")
             bench_hf(r.res, r.quick, r.reps, url)
+            log("store: time to first token of two processes sharing one Redis")
             bench_ttft(r.res, r.quick, r.reps, url)
         else:
             log(f"store: the hf model's rows skipped: {HF_INSTALL}")
@@ -333,7 +341,19 @@ TARGETS = [
            "store.ttft_two_processes", "info", None),
 ]
 
+def missing():
+    """What of the group this environment skips, and how to get it."""
+    if try_import("xxhash") is None:
+        return f"the store group (ferrox_kv.store needs xxhash: {STORE_INSTALL})"
+    if try_import("redis") is None:
+        return f"the store group's Redis rows ({REDIS_INSTALL})"
+    if shutil.which("redis-server") is None:
+        return ("the store group's Redis rows (no redis-server binary on PATH: "
+                "apt-get install redis-server)")
+    return None
+
+
 GROUP = Group("store", "prefix files and a shared Redis store", run,
-              targets=lambda res: TARGETS,
+              targets=lambda res: TARGETS, missing=missing,
               hf_rows="the store group's hf-model rows (remote hit vs prefill, the store's "
                       "fetch rate, two processes' time to first token)")
