@@ -248,30 +248,35 @@ FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t 
     c.nch = 1;
     if (threads > fx_workers_get()) threads = fx_workers_get();
     if (threads < 2 || bytes < (size_t)split_bytes) threads = 1;
-    /* about 4 units per thread, split over sequences, then kv heads, then
-       query blocks of >= 16 positions (prefill) or context chunks of >=
-       chunk_rows rows (decode, q_len 1) */
+    /* about 4 units per thread.  A decode (q_len 1) splits over sequences,
+       then chunks of >= chunk_rows rows of the context, then kv heads: a
+       unit of every head walks its rows in memory order (a row holds every
+       head), where a unit of one head would read a slice of each row.  A
+       prefill splits over sequences, then kv heads, then blocks of >= 16
+       query positions. */
     want = 4 * (ptrdiff_t)threads;
     if (threads > 1 && n < want) {
-        const ptrdiff_t per_seq = (want + n - 1) / n;
-        c.nhg = per_seq < a->n_kv_heads ? (int)per_seq : a->n_kv_heads;
-        c.hg = (a->n_kv_heads + c.nhg - 1) / c.nhg;
-        c.nhg = (a->n_kv_heads + c.hg - 1) / c.hg;
-        if ((ptrdiff_t)c.nhg * n < want) {
-            const ptrdiff_t more = (want + (ptrdiff_t)c.nhg * n - 1) / ((ptrdiff_t)c.nhg * n);
-            if (a->q_len > 1) {
-                c.nqb = (a->q_len + 15) / 16 < more ? (a->q_len + 15) / 16 : more;
-                c.qb = (a->q_len + c.nqb - 1) / c.nqb;
-                c.nqb = (a->q_len + c.qb - 1) / c.qb;
-            } else {
-                ptrdiff_t vis = -1;
-                for (s = 0; s < n; s++) { /* the shortest visible range bounds the chunk count */
-                    const ptrdiff_t v = kvs[s].len - fxp_visible_lo(&c, s);
-                    if (vis < 0 || v < vis) vis = v;
-                }
-                c.nch = vis / chunk_rows < more ? vis / chunk_rows : more;
-                if (c.nch < 1) c.nch = 1;
+        ptrdiff_t per_seq = (want + n - 1) / n;
+        if (a->q_len == 1) {
+            ptrdiff_t vis = -1;
+            for (s = 0; s < n; s++) { /* the shortest visible range bounds the chunk count */
+                const ptrdiff_t v = kvs[s].len - fxp_visible_lo(&c, s);
+                if (vis < 0 || v < vis) vis = v;
             }
+            c.nch = vis / chunk_rows < per_seq ? vis / chunk_rows : per_seq;
+            if (c.nch < 1) c.nch = 1;
+            per_seq = (per_seq + c.nch - 1) / c.nch;
+        }
+        if (per_seq > 1) {
+            c.nhg = per_seq < a->n_kv_heads ? (int)per_seq : a->n_kv_heads;
+            c.hg = (a->n_kv_heads + c.nhg - 1) / c.nhg;
+            c.nhg = (a->n_kv_heads + c.hg - 1) / c.hg;
+            per_seq = (per_seq + c.nhg - 1) / c.nhg;
+        }
+        if (per_seq > 1 && a->q_len > 1) {
+            c.nqb = (a->q_len + 15) / 16 < per_seq ? (a->q_len + 15) / 16 : per_seq;
+            c.qb = (a->q_len + c.nqb - 1) / c.nqb;
+            c.nqb = (a->q_len + c.qb - 1) / c.qb;
         }
     }
     units = n * c.nqb * c.nhg * c.nch;

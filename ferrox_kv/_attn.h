@@ -65,7 +65,9 @@ FX_API void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, fl
    threads are free, so a given count gives the same bits on every run; a
    split over context chunks (a decode on more threads than sequences x kv
    heads) equals the unsplit result within float32 rounding.  Returns 0, or
-   -1 when its scratch could not be allocated (nothing was written). */
+   -1 when its scratch could not be allocated (nothing was written).  A
+   decode splits over context chunks before kv heads (a row holds every
+   head, so a unit of all heads reads memory in order). */
 FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
                            const float *q, size_t q_stride, float *out, size_t o_stride, int threads);
 

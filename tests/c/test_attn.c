@@ -374,9 +374,14 @@ int main(void)
     /* every code path this build can run on this CPU runs every case: the
        levels' instantiations (x86-64-v4 on 16-float vectors, v3, and with
        TEST_ALL_LEVELS the baseline too) and, without dispatch, both widths */
-    for (wpass = 0; wpass <= (int)(sizeof paths / sizeof paths[0]); wpass++) {
-    /* the last pass: the first path again, through fx_attend_batch on 3
-       threads with the split forced, float32 and int8 */
+#ifdef TEST_SPLIT
+#define N_PASSES ((int)(sizeof paths / sizeof paths[0]) + 1)
+#else
+#define N_PASSES ((int)(sizeof paths / sizeof paths[0]))
+#endif
+    for (wpass = 0; wpass < N_PASSES; wpass++) {
+    /* with TEST_SPLIT, a last pass: the first path again, through
+       fx_attend_batch on 3 threads with the split forced, float32 and int8 */
     batch_threads = wpass == (int)(sizeof paths / sizeof paths[0]) ? 3 : 0;
     if (batch_threads) {
         fx_workers_set(3);
