@@ -65,8 +65,7 @@ cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
         kv.v_block = p.v_block
 
 
-# The threads attention may use (the caller included), as set_num_threads
-# sets them; the count the last call used (tests).
+# The threads the last attention call was split over (tests).
 cdef int _last_threads = 1
 
 
@@ -263,18 +262,20 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                 raise MemoryError()
             for i in range(n):
                 st[i] = <Py_ssize_t>min(starts[i], cs[i].len)
+        # a call the split leaves on this thread keeps the GIL below the
+        # release threshold (fx_attend_batch applies the same split size)
         fx_attend_get_split(&split_bytes, &chunk_rows)
         if nthreads > 1 and <Py_ssize_t>ctx_bytes < split_bytes:
             nthreads = 1
-        global _last_threads
-        _last_threads = nthreads
         if <Py_ssize_t>ctx_bytes >= _attend_release_bytes or nthreads > 1:
             with nogil:
                 rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads)
         else:
             rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, 1)
-        if rc != 0:
+        if rc < 0:
             raise MemoryError()
+        global _last_threads
+        _last_threads = rc
         if tmp_out != NULL:
             memcpy(cnp.PyArray_DATA(oa), tmp_out, o_bytes)
     finally:
@@ -295,6 +296,6 @@ def attend_many(caches, q, *, scale=None, window=None, out=None, start=None, thr
     left-padded batches: positions before it are never attended. ``scale``
     and ``out`` as in ``KvCache.attend``. One call, one GIL release: the
     decode step of a batch, split over at most ``threads`` threads (default
-    ``get_num_threads()``) by sequences first, then kv heads and chunks of
-    the context."""
+    ``get_num_threads()``) by sequences first, then (a decode) chunks of the
+    context and kv heads."""
     return _attend_call(tuple(caches), q, scale, window, out, start, True, threads)

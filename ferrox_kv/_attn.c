@@ -296,5 +296,5 @@ FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t 
         for (s = 0; s < n; s++) fxp_merge(&c, s);
     free(c.scratch);
     free(c.part);
-    return 0;
+    return slots;
 }

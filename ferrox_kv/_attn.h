@@ -62,12 +62,16 @@ FX_API void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, fl
    threads, the caller included (_workers.h).  The split into units of
    (sequence, query block, kv heads, context chunk) depends only on
    `threads`, the shapes and fx_attend_set_split, never on how many pool
-   threads are free, so a given count gives the same bits on every run; a
-   split over context chunks (a decode on more threads than sequences x kv
-   heads) equals the unsplit result within float32 rounding.  Returns 0, or
-   -1 when its scratch could not be allocated (nothing was written).  A
-   decode splits over context chunks before kv heads (a row holds every
-   head, so a unit of all heads reads memory in order). */
+   threads are free, so a given count gives the same bits on every run.  A
+   decode splits over sequences, then context chunks, then kv heads (a row
+   holds every head, so a unit of all heads reads memory in order); a
+   split over chunks equals the unsplit result within float32 rounding.  A
+   prefill splits over sequences, kv heads, then query blocks.  Sequence
+   and head splits give the unsplit bits; a query block changes the
+   kernel's pass shape (its chunk alignment and packing), so it equals the
+   unsplit result within float32 rounding.  Returns the threads the call was split over (1: the
+   caller alone), or -1 when its scratch could not be allocated (nothing
+   was written). */
 FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
                            const float *q, size_t q_stride, float *out, size_t o_stride, int threads);
 

@@ -687,8 +687,8 @@ K and V rows of one sequence in one layer.
         nothing of context size allocated, the GIL released for the call
         when the context is large enough to pay for it. A large call is
         split over at most ``threads`` threads (default and upper bound:
-        ``get_num_threads()``), by kv heads, query blocks and, for a decode
-        on more threads than kv heads, chunks of the context; a given count
+        ``get_num_threads()``): a decode by chunks of the context, then kv
+        heads; a prefill by kv heads, then query blocks. A given count
         gives the same result on every run, and any count equals one
         thread's result within float32 rounding. Bad shapes, an empty
         cache, q_len beyond seq_len, ``window < 1``, a wrong ``out`` or

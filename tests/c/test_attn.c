@@ -180,7 +180,7 @@ static int run_case(const tcase *tc, const char *what)
     for (i = 0; i < nsc; i++) sc[i] = NAN;
 
     if (batch_threads) {
-        if (fx_attend_batch(&kv, &tc->start, 1, &a, q, 0, out, 0, batch_threads) != 0) {
+        if (fx_attend_batch(&kv, &tc->start, 1, &a, q, 0, out, 0, batch_threads) < 0) {
             printf("FAIL %s: fx_attend_batch could not allocate\n", what);
             ok = 0;
         }
