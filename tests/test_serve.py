@@ -14,12 +14,12 @@ import json
 import os
 import random
 import re
-import threading
 import time
 
 import pytest
 
-import serve_support as S
+from support import serve as S
+from support.threads import run_threads
 
 S_DEPS = ("torch", "transformers", "fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
 if os.environ.get("CI") or os.environ.get("FERROX_KV_REQUIRE_INSTALLED"):
@@ -157,11 +157,7 @@ def test_eight_batched_requests_of_different_lengths_equal_generate(server, ref)
             r = post(server, "/v1/completions", body)
             got[i] = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert run_threads(len(cases), one, timeout=600) == []
     for (p, n), text in zip(cases, got):
         assert text == ref(ref.tok(p)["input_ids"], n)[0], p
     steps = metric(server, "ferrox:decode_batch_size_count") - steps_before
@@ -476,11 +472,7 @@ def test_threads_mode_equals_generate_and_sigterm_drains(model_dir, workdir, ref
             got[i] = post(srv, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 8 + i,
                                                    "temperature": 0}).json()["choices"][0]["text"]
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        assert run_threads(4, one, timeout=600) == []
         for i in range(4):
             assert got[i] == ref(ref.tok(PROMPTS[i])["input_ids"], 8 + i)[0]
 
@@ -526,11 +518,7 @@ def test_threads_mode_with_dynamic_cache_equals_generate(model_dir, workdir, ref
                 d = post(srv, "/v1/completions", body).json()
                 got[i] = d["choices"][0]["text"], d["usage"]
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(got))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        assert run_threads(len(got), one, timeout=600) == []
         for i, (text, usage) in enumerate(got):
             assert text == ref(ref.tok(PROMPTS[i])["input_ids"], 6 + 2 * i)[0], PROMPTS[i]
         again = post(srv, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,

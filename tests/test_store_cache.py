@@ -5,12 +5,13 @@ import os
 import numpy as np
 import pytest
 
-from conftest import require_store
+from support.pools import require_store
 
 require_store()
 
 import ferrox_kv
-from conftest import STORE_DIM, STORE_HEADS, pool_counts, rows, store_pool
+from support.numerics import rows
+from support.pools import STORE_DIM, STORE_HEADS, pool_counts, store_pool
 from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch
 from ferrox_kv.store._format import regions
 
@@ -85,7 +86,7 @@ def test_cache_save_refusals(tmp_path):
 
 def test_prefix_file_is_not_a_slot(tmp_path):
     pool = store_pool(64)
-    from conftest import publish_seq
+    from support.pools import publish_seq
     publish_seq(pool, list(range(12)), seed=1)
     publish_seq(pool, list(range(50, 62)), seed=2)
     pool.save_prefixes(tmp_path / "p", fingerprint="m")
