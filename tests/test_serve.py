@@ -590,24 +590,21 @@ def test_schemathesis_finds_no_5xx_and_no_leaked_block(server):
     assert_blocks_back(server)
 
 
-# -- the README's serving examples, against the live server ------------------------------
+# -- the serving examples of the README and docs/serving.md, against the live server ----
 
-def _readme_block(lang, marker):
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "README.md")
-    blocks = re.findall(rf"```{lang}\n(.*?)```", open(readme).read(), re.S)
-    return next(b for b in blocks if marker in b)
-
-
-def test_readme_serving_examples_run_as_written(server, capsys):
-    """The curl and openai examples of README "Serving", with the README's
-    address replaced by the test server's."""
+def test_docs_serving_examples_run_as_written(server, capsys):
+    """The curl example (README and docs/serving.md) and the openai example
+    (docs/serving.md), with their address replaced by the test server's."""
     import shutil
     import subprocess
 
-    assert shutil.which("curl"), "the README's curl example needs curl"
+    from support import docs
+
+    assert shutil.which("curl"), "the docs' curl example needs curl"
     here = server.url.replace("http://", "")
-    cmd = _readme_block("bash", "curl -s").replace("127.0.0.1:8000", here)
+    cmd = docs.block("docs/serving.md", "curl -s", "bash")
+    assert cmd == docs.block("README.md", "curl -s", "bash")
+    cmd = cmd.replace("127.0.0.1:8000", here)
     # the shell and curl are the user's programs, not ferrox's: they run without
     # the ASan pass's LD_PRELOAD (curl's resolver thread hangs under libasan)
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -615,8 +612,8 @@ def test_readme_serving_examples_run_as_written(server, capsys):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["choices"][0]["finish_reason"] in ("length", "stop") and d["usage"]["prompt_tokens"]
-    code = _readme_block("python", "OpenAI(base_url").replace("127.0.0.1:8000", here)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    code = docs.block("docs/serving.md", "OpenAI(base_url").replace("127.0.0.1:8000", here)
+    exec(compile(code, "docs/serving.md", "exec"), {"__name__": "docs"})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("turn 0:") and lines[0].endswith(" 0 from the prefix cache")
     cached = int(lines[1].split(", ")[1].split()[0])
