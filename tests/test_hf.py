@@ -208,7 +208,8 @@ def test_multi_turn_continuation_with_the_same_cache_is_identical(model):
     turn1 = _prompt(10, seed=5)
     user2 = _prompt(5, seed=6)
     ref_cache, fx_cache = DynamicCache(config=model.config), FerroxCache(model.config)
-    ref1, got1 = _reference(model, turn1, ref_cache, max_new_tokens=15), _gen(model, turn1, fx_cache, max_new_tokens=15)
+    ref1 = _reference(model, turn1, ref_cache, max_new_tokens=15)
+    got1 = _gen(model, turn1, fx_cache, max_new_tokens=15)
     assert torch.equal(ref1, got1)
     ref2 = _reference(model, torch.cat([ref1, user2], 1), ref_cache, max_new_tokens=15)
     got2 = _gen(model, torch.cat([got1, user2], 1), fx_cache, max_new_tokens=15)
@@ -564,7 +565,6 @@ def _prefix_pool(model, blocks=256, block_size=4):
 
 def test_a_chat_reuses_its_history_prefills_only_the_rest_and_is_identical(model, monkeypatch):
     pool = _prefix_pool(model)
-    layers = model.config.num_hidden_layers
     history = _prompt(13, seed=40)
     fed = []
     orig = FerroxLayer.update

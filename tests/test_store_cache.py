@@ -9,11 +9,11 @@ from support.pools import require_store
 
 require_store()
 
-import ferrox_kv
-from support.numerics import rows
-from support.pools import STORE_DIM, STORE_HEADS, pool_counts, store_pool
-from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch
-from ferrox_kv.store._format import regions
+import ferrox_kv  # noqa: E402
+from support.numerics import rows  # noqa: E402
+from support.pools import STORE_DIM, STORE_HEADS, pool_counts, store_pool  # noqa: E402
+from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch  # noqa: E402
+from ferrox_kv.store._format import regions  # noqa: E402
 
 W = STORE_HEADS * STORE_DIM
 

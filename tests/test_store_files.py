@@ -13,7 +13,7 @@ from support.pools import require_store
 
 require_store()
 
-from ferrox_kv.store import (
+from ferrox_kv.store import (  # noqa: E402
     Geometry,
     StoreCorrupt,
     StoreMismatch,

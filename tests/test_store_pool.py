@@ -13,10 +13,10 @@ from support.pools import require_store
 
 require_store()
 
-import ferrox_kv
-from support.pools import STORE_FP, lookup_rows, pool_counts, publish_seq, store_pool
-from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch
-from ferrox_kv.store._format import regions
+import ferrox_kv  # noqa: E402
+from support.pools import STORE_FP, lookup_rows, pool_counts, publish_seq, store_pool  # noqa: E402
+from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch  # noqa: E402
+from ferrox_kv.store._format import regions  # noqa: E402
 
 BS = 4
 SYSTEM = list(range(100, 112))                 # 3 blocks shared by both sequences

@@ -17,8 +17,8 @@ from support.redis_server import require_redis
 
 redis = require_redis()
 
-from ferrox_kv import KvBlockPool, KvCache
-from ferrox_kv.store import Geometry, RedisPrefixStore, encode_value, entries_from_rows
+from ferrox_kv import KvBlockPool, KvCache  # noqa: E402
+from ferrox_kv.store import Geometry, RedisPrefixStore, encode_value, entries_from_rows  # noqa: E402
 
 G = Geometry(16, 2, 2, 8, 8)
 FP = b"model@1"
