@@ -158,11 +158,10 @@ import ferrox_kv.hf  # noqa: E402,F401  (registers the "ferrox" attention)
 
 @pytest.fixture(scope="module")
 def llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    from support.models import config
+    cfg, cls = config("llama")
     torch.manual_seed(4321)
-    m = transformers.LlamaForCausalLM(cfg).eval()
+    m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0
     m.set_attn_implementation("ferrox")
     return m
