@@ -10,6 +10,7 @@ test imports these as ``from support.numerics import stored`` while
   refused operation must leave as they were (``ferrox_kv.store``);
 - ``redis_server``: real redis-server processes and a three-node cluster;
 - ``threads``: one runner that starts threads together (the bench's);
+- ``models``: tiny random transformers models and their prompts;
 - ``serve``: the tiny model directory and a real server process;
 - ``docs``: the code blocks and commands of the README, ``docs/`` and
   ``DEVELOP.md``, and the commands of ``.ci/run``.
