@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ferrox_kv
-from conftest import DTYPES, stored
+from support.numerics import DTYPES, stored
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
 from ferrox_kv import _core
 

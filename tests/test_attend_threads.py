@@ -13,6 +13,7 @@ import pytest
 import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, attend_many
 from ferrox_kv import _core
+from support.threads import run_threads
 
 
 @pytest.fixture
@@ -138,28 +139,21 @@ def test_sixteen_callers_share_at_most_n_minus_one_workers_and_get_right_answers
             break
         time.sleep(0.01)
     before = _os_threads() - _core._worker_threads_alive()
-    errors, peak = [], [0]
-    start = threading.Barrier(16)
+    peak = [0]
+    # a cache serves one call at a time: each caller has copies
+    mine = [(caches[i % 4].copy(), [c.copy() for c in caches]) for i in range(16)]
 
-    def caller(i, mine, others):          # a cache serves one call at a time: each caller has copies
-        try:
-            start.wait()
-            for r in range(20):
-                if (i + r) % 3:
-                    got, ref = mine.attend(q), want[i % 4]
-                else:
-                    got, ref = attend_many(others, qb), want_many
-                np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-                peak[0] = max(peak[0], _os_threads())
-        except Exception as e:            # reported below
-            errors.append(e)
+    def caller(i):
+        own, others = mine[i]
+        for r in range(20):
+            if (i + r) % 3:
+                got, ref = own.attend(q), want[i % 4]
+            else:
+                got, ref = attend_many(others, qb), want_many
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+            peak[0] = max(peak[0], _os_threads())
 
-    callers = [threading.Thread(target=caller, args=(i, caches[i % 4].copy(), [c.copy() for c in caches]))
-               for i in range(16)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join(120)
+    errors = run_threads(16, caller)
     assert not errors, errors[0]
     assert _core._worker_threads_alive() <= n - 1
     # the test's own 16 threads, plus at most n - 1 workers

@@ -4,7 +4,6 @@ warm-up pass, and the command line's edges (--plot without matplotlib, more
 threads than CPUs, a closed pipe). No timing assertions."""
 import ast
 import json
-import os
 import pkgutil
 import re
 import subprocess

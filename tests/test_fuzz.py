@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 import ferrox_kv
-from conftest import ArrayHook
+from support.numerics import ArrayHook
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
 
 H, D, BS = 2, 3, 4

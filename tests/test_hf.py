@@ -13,33 +13,9 @@ from transformers import DynamicCache  # noqa: E402
 
 from ferrox_kv import KvBlockPool, KvPoolExhausted  # noqa: E402
 from ferrox_kv.hf import FerroxCache, FerroxLayer, kv_geometry  # noqa: E402
+from support.models import VOCAB, config  # noqa: E402
+from support.models import prompt as _prompt  # noqa: E402
 
-VOCAB = 256
-
-
-def _llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return cfg, transformers.LlamaForCausalLM
-
-
-def _qwen2():
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512)
-    return cfg, transformers.Qwen2ForCausalLM
-
-
-def _mistral():
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
-        sliding_window=8)                              # shorter than the tests' sequences
-    return cfg, transformers.MistralForCausalLM
-
-
-MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral}
 
 
 @pytest.fixture(scope="module", params=["llama-sdpa", "llama-ferrox", "qwen2-ferrox",
@@ -50,7 +26,7 @@ def model(request):
     attention implementation takes). References always run DynamicCache with
     SDPA on the same weights."""
     name, impl = request.param.split("-")
-    cfg, cls = MODELS[name]()
+    cfg, cls = config(name)
     torch.manual_seed(1234)
     m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0
@@ -77,11 +53,6 @@ def _reference(model, ids, cache=None, **kw):
     must match."""
     with _impl(model, "sdpa"):
         return _gen(model, ids, cache if cache is not None else DynamicCache(config=model.config), **kw)
-
-
-def _prompt(n=12, seed=0, batch=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, n), generator=g)
 
 
 def _pool_for(model, blocks, block_size=8):
@@ -208,7 +179,8 @@ def test_multi_turn_continuation_with_the_same_cache_is_identical(model):
     turn1 = _prompt(10, seed=5)
     user2 = _prompt(5, seed=6)
     ref_cache, fx_cache = DynamicCache(config=model.config), FerroxCache(model.config)
-    ref1, got1 = _reference(model, turn1, ref_cache, max_new_tokens=15), _gen(model, turn1, fx_cache, max_new_tokens=15)
+    ref1 = _reference(model, turn1, ref_cache, max_new_tokens=15)
+    got1 = _gen(model, turn1, fx_cache, max_new_tokens=15)
     assert torch.equal(ref1, got1)
     ref2 = _reference(model, torch.cat([ref1, user2], 1), ref_cache, max_new_tokens=15)
     got2 = _gen(model, torch.cat([got1, user2], 1), fx_cache, max_new_tokens=15)
@@ -461,7 +433,7 @@ def test_reorder_cache_moves_every_layer_at_once_and_shares_blocks(model):
 
 @pytest.fixture(scope="module")
 def ferrox_llama():
-    cfg, cls = _llama()
+    cfg, cls = config("llama")
     torch.manual_seed(4321)
     m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0
@@ -544,7 +516,7 @@ def test_the_ferrox_attention_falls_back_to_sdpa_without_a_ferrox_cache(ferrox_l
 def test_other_attention_implementations_warn_once_naming_the_fast_path(monkeypatch):
     import ferrox_kv.hf as fhf
     monkeypatch.setattr(fhf, "_warned", False)
-    cfg, cls = _llama()
+    cfg, cls = config("llama")
     m = cls(cfg).eval()
     m.set_attn_implementation("sdpa")
     with pytest.warns(UserWarning, match=r"set_attn_implementation\('ferrox'\)"):
@@ -564,7 +536,6 @@ def _prefix_pool(model, blocks=256, block_size=4):
 
 def test_a_chat_reuses_its_history_prefills_only_the_rest_and_is_identical(model, monkeypatch):
     pool = _prefix_pool(model)
-    layers = model.config.num_hidden_layers
     history = _prompt(13, seed=40)
     fed = []
     orig = FerroxLayer.update
@@ -701,7 +672,7 @@ def test_the_ferrox_attention_uses_at_most_torchs_thread_count(torch_threads):
     stay DynamicCache's."""
     import ferrox_kv
     from ferrox_kv import _core
-    cfg, cls = _llama()
+    cfg, cls = config("llama")
     torch.manual_seed(1234)
     m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0

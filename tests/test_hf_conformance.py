@@ -16,24 +16,14 @@ from transformers import DynamicCache, QuantizedCache, StaticCache  # noqa: E402
 import ferrox_kv.hf as fhf  # noqa: E402
 from ferrox_kv import KvBlockPool, KvPoolExhausted  # noqa: E402
 from ferrox_kv.hf import FerroxCache, kv_geometry  # noqa: E402
+from support.models import VOCAB, config  # noqa: E402
 
-VOCAB = 256
 
 
 def _build(name):
+    cfg, cls = config(name, layers=2)
     torch.manual_seed(99)
-    if name == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        m = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.MistralConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
-            sliding_window=8)                          # shorter than the prompts
-        m = transformers.MistralForCausalLM(cfg)
-    m = m.eval()
+    m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0
     return m
 

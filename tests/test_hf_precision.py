@@ -12,24 +12,16 @@ from transformers import DynamicCache  # noqa: E402
 from ferrox_kv import KvBlockPool  # noqa: E402
 from ferrox_kv import hf as fhf  # noqa: E402
 from ferrox_kv.hf import FerroxCache, kv_geometry  # noqa: E402
-
-VOCAB = 256
-
+from support.models import config  # noqa: E402
+from support.models import prompt as _prompt  # noqa: E402
 
 def _llama(impl="sdpa", dtype=torch.float32, seed=1234):
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg, cls = config("llama")
     torch.manual_seed(seed)
-    m = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+    m = cls(cfg).eval().to(dtype)
     m.generation_config.pad_token_id = 0
     m.set_attn_implementation(impl)
     return m
-
-
-def _prompt(n=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (1, n), generator=g)
 
 
 def _gen(model, ids, cache, **kw):
@@ -149,27 +141,6 @@ def test_a_float32_model_with_reduced_storage_stays_close_to_the_float32_cache(s
     assert 0 < err <= max_err
 
 
-def _qwen2():
-    return transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512), \
-        transformers.Qwen2ForCausalLM
-
-
-def _mistral():
-    return transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
-        sliding_window=8), transformers.MistralForCausalLM
-
-
-def _llama_cfg():
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512), \
-        transformers.LlamaForCausalLM
-
-
 def _teacher_forced(model, ids, prompt_len, cache):
     """Logits (float32) at every step of decoding ``ids`` after its first
     ``prompt_len`` tokens, one token at a time through ``cache``."""
@@ -183,7 +154,7 @@ def _teacher_forced(model, ids, prompt_len, cache):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", [_llama_cfg, _qwen2, _mistral])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_a_half_model_with_ferrox_attention_is_no_further_from_float32_than_dynamic_cache(arch, half):
     """The truth is the same weights in float32 with a float32 cache; every
@@ -191,7 +162,7 @@ def test_a_half_model_with_ferrox_attention_is_no_further_from_float32_than_dyna
     the model's half dtype) with the "ferrox" attention against DynamicCache
     + SDPA in the same half dtype (the issue asks for "no larger at every
     step"; see below for what holds)."""
-    cfg, cls = arch()
+    cfg, cls = config(arch)
     torch.manual_seed(7)
     model = cls(cfg).eval()
     model.generation_config.pad_token_id = 0

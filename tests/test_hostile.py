@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import ferrox_kv
-from conftest import ArrayHook
+from support.numerics import ArrayHook
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 from ferrox_kv import _core
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
                                  invariant, rule)
 
-from conftest import stored, values
+from support.numerics import stored, values
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 
 H, D, VD = 1, 3, 2

@@ -3,13 +3,13 @@ names, the conversions against numpy's float16 and a reference bfloat16 /
 int8 (q8_0-like) rounding, every path of a cache for every dtype, the
 bytes they count, inputs read in place, and bad input."""
 import gc
-import threading
 
 import numpy as np
 import pytest
 
 import ferrox_kv
-from conftest import DTYPES, REDUCED, bf16_round, q8_round, stored, values
+from support.threads import run_threads
+from support.numerics import DTYPES, REDUCED, bf16_round, q8_round, stored, values
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many, push_layers
 
 try:
@@ -490,28 +490,20 @@ def test_exhaustion_and_wrong_shapes_leave_a_reduced_cache_as_it_was(dtype):
 def test_threads_extend_their_own_reduced_caches_on_one_pool(dtype):
     old = ferrox_kv.set_gil_release_threshold(0)
     pool = KvBlockPool(4, 256, 2, 40, dtype=dtype)
-    errors = []
 
     def work(seed):
-        try:
-            for i in range(30):
-                c = KvCache.with_pool(2, 40, pool, 24)
-                k = _x(20, 2, 40, seed * 100 + i, scale=9)
-                c.extend(k[:10], -k[:10])
-                for r in k[10:]:
-                    c.push(r, -r)
-                f = c.fork()
-                np.testing.assert_array_equal(values(f.k).reshape(20, -1), stored(k, dtype, 40))
-                np.testing.assert_array_equal(values(c.v).reshape(20, -1), stored(-k, dtype, 40))
-        except BaseException as e:
-            errors.append(e)
+        for i in range(30):
+            c = KvCache.with_pool(2, 40, pool, 24)
+            k = _x(20, 2, 40, seed * 100 + i, scale=9)
+            c.extend(k[:10], -k[:10])
+            for r in k[10:]:
+                c.push(r, -r)
+            f = c.fork()
+            np.testing.assert_array_equal(values(f.k).reshape(20, -1), stored(k, dtype, 40))
+            np.testing.assert_array_equal(values(c.v).reshape(20, -1), stored(-k, dtype, 40))
 
     try:
-        ts = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
+        errors = run_threads(4, work, timeout=60)
     finally:
         ferrox_kv.set_gil_release_threshold(old)
     if errors:

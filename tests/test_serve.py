@@ -14,12 +14,12 @@ import json
 import os
 import random
 import re
-import threading
 import time
 
 import pytest
 
-import serve_support as S
+from support import serve as S
+from support.threads import run_threads
 
 S_DEPS = ("torch", "transformers", "fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
 if os.environ.get("CI") or os.environ.get("FERROX_KV_REQUIRE_INSTALLED"):
@@ -157,11 +157,7 @@ def test_eight_batched_requests_of_different_lengths_equal_generate(server, ref)
             r = post(server, "/v1/completions", body)
             got[i] = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert run_threads(len(cases), one, timeout=600) == []
     for (p, n), text in zip(cases, got):
         assert text == ref(ref.tok(p)["input_ids"], n)[0], p
     steps = metric(server, "ferrox:decode_batch_size_count") - steps_before
@@ -476,11 +472,7 @@ def test_threads_mode_equals_generate_and_sigterm_drains(model_dir, workdir, ref
             got[i] = post(srv, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 8 + i,
                                                    "temperature": 0}).json()["choices"][0]["text"]
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        assert run_threads(4, one, timeout=600) == []
         for i in range(4):
             assert got[i] == ref(ref.tok(PROMPTS[i])["input_ids"], 8 + i)[0]
 
@@ -526,11 +518,7 @@ def test_threads_mode_with_dynamic_cache_equals_generate(model_dir, workdir, ref
                 d = post(srv, "/v1/completions", body).json()
                 got[i] = d["choices"][0]["text"], d["usage"]
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(got))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        assert run_threads(len(got), one, timeout=600) == []
         for i, (text, usage) in enumerate(got):
             assert text == ref(ref.tok(PROMPTS[i])["input_ids"], 6 + 2 * i)[0], PROMPTS[i]
         again = post(srv, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,
@@ -602,24 +590,21 @@ def test_schemathesis_finds_no_5xx_and_no_leaked_block(server):
     assert_blocks_back(server)
 
 
-# -- the README's serving examples, against the live server ------------------------------
+# -- the serving examples of the README and docs/serving.md, against the live server ----
 
-def _readme_block(lang, marker):
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "README.md")
-    blocks = re.findall(rf"```{lang}\n(.*?)```", open(readme).read(), re.S)
-    return next(b for b in blocks if marker in b)
-
-
-def test_readme_serving_examples_run_as_written(server, capsys):
-    """The curl and openai examples of README "Serving", with the README's
-    address replaced by the test server's."""
+def test_docs_serving_examples_run_as_written(server, capsys):
+    """The curl example (README and docs/serving.md) and the openai example
+    (docs/serving.md), with their address replaced by the test server's."""
     import shutil
     import subprocess
 
-    assert shutil.which("curl"), "the README's curl example needs curl"
+    from support import docs
+
+    assert shutil.which("curl"), "the docs' curl example needs curl"
     here = server.url.replace("http://", "")
-    cmd = _readme_block("bash", "curl -s").replace("127.0.0.1:8000", here)
+    cmd = docs.block("docs/serving.md", "curl -s", "bash")
+    assert cmd == docs.block("README.md", "curl -s", "bash")
+    cmd = cmd.replace("127.0.0.1:8000", here)
     # the shell and curl are the user's programs, not ferrox's: they run without
     # the ASan pass's LD_PRELOAD (curl's resolver thread hangs under libasan)
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -627,8 +612,8 @@ def test_readme_serving_examples_run_as_written(server, capsys):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["choices"][0]["finish_reason"] in ("length", "stop") and d["usage"]["prompt_tokens"]
-    code = _readme_block("python", "OpenAI(base_url").replace("127.0.0.1:8000", here)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    code = docs.block("docs/serving.md", "OpenAI(base_url").replace("127.0.0.1:8000", here)
+    exec(compile(code, "docs/serving.md", "exec"), {"__name__": "docs"})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("turn 0:") and lines[0].endswith(" 0 from the prefix cache")
     cached = int(lines[1].split(", ")[1].split()[0])

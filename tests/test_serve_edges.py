@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-import serve_support as S  # noqa: E402
+from support import serve as S  # noqa: E402
 
 from ferrox_kv import KvBlockPool  # noqa: E402
 

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
-import serve_support as S  # noqa: E402
+from support import serve as S  # noqa: E402
 
 from ferrox_kv import KvBlockPool  # noqa: E402
 

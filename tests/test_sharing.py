@@ -3,13 +3,13 @@
 ends with pool.check(), which walks every invariant of the pool."""
 import gc
 import random
-import threading
 
 import numpy as np
 import pytest
 
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
 from ferrox_kv import _core
+from support.threads import run_threads
 
 H, D = 1, 4
 W = H * D
@@ -360,40 +360,32 @@ def test_bad_publish_and_lookup_arguments_change_nothing(call, exc, msg):
 def test_eight_threads_with_shared_prefixes_lose_nothing():
     pool = KvBlockPool(4, 400, H, D, prefix_cache=True)
     prompts = [[s] * 3 + list(range(20)) for s in range(4)]
-    errors = []
 
     def worker(seed):
         rng = random.Random(seed)
-        try:
-            for _ in range(150):
-                toks = rng.choice(prompts)[: rng.randint(4, 23)]
-                try:
-                    layers = KvCache.with_pool_many(2, H, D, pool, 32, tokens=toks)
-                except KvPoolExhausted:
-                    continue
-                have = layers[0].seq_len
-                expect = rows(len(toks), float(toks[0] * 1000))
-                for i, c in enumerate(layers):
-                    np.testing.assert_array_equal(c.k.reshape(-1, W), expect[:have] + i)
-                for i, c in enumerate(layers):
-                    c.extend(expect[have:] + i, expect[have:] + i)
-                if rng.random() < 0.3:
-                    f = layers[0].fork()
-                    f.truncate(rng.randint(0, f.seq_len))
-                    f.push(np.zeros(W), np.zeros(W))
-                    f.close()
-                pool.publish(layers, toks)
-                push_layers(layers, np.ones((2, W)), np.ones((2, W)))
-                for c in layers:
-                    c.close()
-        except BaseException as e:
-            errors.append(e)
+        for _ in range(150):
+            toks = rng.choice(prompts)[: rng.randint(4, 23)]
+            try:
+                layers = KvCache.with_pool_many(2, H, D, pool, 32, tokens=toks)
+            except KvPoolExhausted:
+                continue
+            have = layers[0].seq_len
+            expect = rows(len(toks), float(toks[0] * 1000))
+            for i, c in enumerate(layers):
+                np.testing.assert_array_equal(c.k.reshape(-1, W), expect[:have] + i)
+            for i, c in enumerate(layers):
+                c.extend(expect[have:] + i, expect[have:] + i)
+            if rng.random() < 0.3:
+                f = layers[0].fork()
+                f.truncate(rng.randint(0, f.seq_len))
+                f.push(np.zeros(W), np.zeros(W))
+                f.close()
+            pool.publish(layers, toks)
+            push_layers(layers, np.ones((2, W)), np.ones((2, W)))
+            for c in layers:
+                c.close()
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(8, worker)
     assert not errors, errors[0]
     pool.check()
     s = pool.stats()

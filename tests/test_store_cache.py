@@ -5,14 +5,15 @@ import os
 import numpy as np
 import pytest
 
-from conftest import require_store
+from support.pools import require_store
 
 require_store()
 
-import ferrox_kv
-from conftest import STORE_DIM, STORE_HEADS, pool_counts, rows, store_pool
-from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch
-from ferrox_kv.store._format import regions
+import ferrox_kv  # noqa: E402
+from support.numerics import rows  # noqa: E402
+from support.pools import STORE_DIM, STORE_HEADS, pool_counts, store_pool  # noqa: E402
+from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch  # noqa: E402
+from ferrox_kv.store._format import regions  # noqa: E402
 
 W = STORE_HEADS * STORE_DIM
 
@@ -85,7 +86,7 @@ def test_cache_save_refusals(tmp_path):
 
 def test_prefix_file_is_not_a_slot(tmp_path):
     pool = store_pool(64)
-    from conftest import publish_seq
+    from support.pools import publish_seq
     publish_seq(pool, list(range(12)), seed=1)
     publish_seq(pool, list(range(50, 62)), seed=2)
     pool.save_prefixes(tmp_path / "p", fingerprint="m")
@@ -157,11 +158,10 @@ import ferrox_kv.hf  # noqa: E402,F401  (registers the "ferrox" attention)
 
 @pytest.fixture(scope="module")
 def llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    from support.models import config
+    cfg, cls = config("llama")
     torch.manual_seed(4321)
-    m = transformers.LlamaForCausalLM(cfg).eval()
+    m = cls(cfg).eval()
     m.generation_config.pad_token_id = 0
     m.set_attn_implementation("ferrox")
     return m

@@ -9,11 +9,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import require_store
+from support.pools import require_store
 
 require_store()
 
-from ferrox_kv.store import (
+from ferrox_kv.store import (  # noqa: E402
     Geometry,
     StoreCorrupt,
     StoreMismatch,

@@ -6,12 +6,12 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import require_store
+from support.pools import require_store
 
 require_store()
 
-from ferrox_kv import KvBlockPool, KvCache
-from ferrox_kv.store import (
+from ferrox_kv import KvBlockPool, KvCache  # noqa: E402
+from ferrox_kv.store import (  # noqa: E402
     NO_PARENT,
     Entry,
     Geometry,
@@ -26,7 +26,7 @@ from ferrox_kv.store import (
     row_bytes,
     write_file,
 )
-from ferrox_kv.store._format import regions
+from ferrox_kv.store._format import regions  # noqa: E402
 
 G = Geometry(block_size=4, n_layers=3, n_kv_heads=2, head_dim=8, v_head_dim=6)
 FP = b"model-a@rev1"

@@ -9,14 +9,14 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import require_store
+from support.pools import require_store
 
 require_store()
 
-import ferrox_kv
-from conftest import STORE_FP, lookup_rows, pool_counts, publish_seq, store_pool
-from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch
-from ferrox_kv.store._format import regions
+import ferrox_kv  # noqa: E402
+from support.pools import STORE_FP, lookup_rows, pool_counts, publish_seq, store_pool  # noqa: E402
+from ferrox_kv.store import StoreCorrupt, StoreFormatError, StoreMismatch  # noqa: E402
+from ferrox_kv.store._format import regions  # noqa: E402
 
 BS = 4
 SYSTEM = list(range(100, 112))                 # 3 blocks shared by both sequences
@@ -235,7 +235,7 @@ def test_restart_across_processes(tmp_path):
     common = textwrap.dedent(f"""
         import sys, numpy as np
         sys.path.insert(0, {here!r})
-        from conftest import store_pool, publish_seq, lookup_rows, STORE_FP
+        from support.pools import store_pool, publish_seq, lookup_rows, STORE_FP
         SEQ = {SEQ_A!r}
     """)
     save = common + textwrap.dedent(f"""
@@ -386,7 +386,7 @@ def test_import_with_a_reading_callable_gives_back_on_error_and_refuses_a_warm_p
 def test_entries_under_a_salt_the_format_cannot_hold_are_skipped_and_counted(tmp_path):
     """One tenant's salt beyond MAX_SALT bytes must not make the whole pool
     unsavable: its chain is left out, counted in ``skipped``."""
-    from conftest import lookup_rows, publish_seq, store_pool
+    from support.pools import lookup_rows, publish_seq, store_pool
     from ferrox_kv.store._format import MAX_SALT
     pool = store_pool(64)
     want = publish_seq(pool, list(range(12)), salt="short", seed=1)

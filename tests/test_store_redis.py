@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import require_redis
+from support.redis_server import require_redis
 
 redis = require_redis()
 
-from ferrox_kv import KvBlockPool, KvCache
-from ferrox_kv.store import Geometry, RedisPrefixStore, encode_value, entries_from_rows
+from ferrox_kv import KvBlockPool, KvCache  # noqa: E402
+from ferrox_kv.store import Geometry, RedisPrefixStore, encode_value, entries_from_rows  # noqa: E402
 
 G = Geometry(16, 2, 2, 8, 8)
 FP = b"model@1"
@@ -314,7 +314,7 @@ def test_an_oversized_value_transfers_at_most_one_byte_past_a_value(server):
 def test_a_reservation_that_can_never_fit_reads_nothing_through_and_evicts_nothing(server):
     """The read-through comes after the never-fits check: no lookup, no
     import, the locally cached block kept."""
-    from conftest import lookup_rows, publish_seq
+    from support.pools import lookup_rows, publish_seq
     from ferrox_kv import KvPoolExhausted
     writer = _attached(server)
     publish_seq(writer, SYS_PROMPT, seed=7)
@@ -417,7 +417,7 @@ def test_two_processes_share_a_prefix_and_the_rows_are_exactly_the_writers(serve
 
 
 def test_eight_threads_publish_and_fetch_through_one_store(server):
-    from conftest import run_threads
+    from support.threads import run_threads
     store = RedisPrefixStore(server.url, namespace="t", fingerprint=FP, timeout=5)
     prompts = [_chain(256, salt=s, seed=i) for i, s in enumerate([None, None, "x", 5])]
     prompts[1] = _chain(256, salt=None, seed=0)         # the same prompt as 0 (contention)
@@ -477,7 +477,7 @@ def test_a_redis_cluster_works_through_redis_pys_cluster_client(cluster):
 def test_pools_publish_and_hit_across_the_nodes_of_a_redis_cluster(cluster):
     from redis.cluster import RedisCluster
 
-    from conftest import lookup_rows, publish_seq, store_pool
+    from support.pools import lookup_rows, publish_seq, store_pool
     prompt = list(range(500, 564))                              # 16 blocks of 4
     pools = []
     for _ in range(2):
@@ -507,7 +507,7 @@ def test_pools_publish_and_hit_across_the_nodes_of_a_redis_cluster(cluster):
 # -- a pool with the store attached: write-through, read-through ----------------------
 
 def _attached(server, total=64, dtype="float32", **kw):
-    from conftest import store_pool
+    from support.pools import store_pool
     pool = store_pool(total, dtype)
     pool.attach(RedisPrefixStore(server.url, namespace="pool", fingerprint=FP, **kw))
     return pool
@@ -518,7 +518,7 @@ SYS_PROMPT = list(range(300, 320))                  # 5 blocks of 4
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_publish_writes_through_and_a_local_miss_reads_through(server, dtype):
-    from conftest import lookup_rows, publish_seq
+    from support.pools import lookup_rows, publish_seq
     writer = _attached(server, dtype=dtype)
     want = publish_seq(writer, SYS_PROMPT + [1, 2, 3], seed=7)
     assert writer.stats()["store_entries_written"] == 5
@@ -539,7 +539,7 @@ def test_publish_writes_through_and_a_local_miss_reads_through(server, dtype):
 
 
 def test_attach_checks_its_arguments(server):
-    from conftest import store_pool
+    from support.pools import store_pool
     with pytest.raises(TypeError, match="RedisPrefixStore"):
         store_pool(8).attach(object())
     plain = KvBlockPool(4, 8, 2, 32)
@@ -552,7 +552,7 @@ def test_attach_checks_its_arguments(server):
 
 
 def test_redis_stopped_is_a_counted_miss_and_takes_no_block(own_server):
-    from conftest import lookup_rows, publish_seq
+    from support.pools import lookup_rows, publish_seq
     writer = _attached(own_server, timeout=0.3)
     publish_seq(writer, SYS_PROMPT, seed=7)
     own_server.stop()
@@ -569,7 +569,7 @@ def test_redis_stopped_is_a_counted_miss_and_takes_no_block(own_server):
 
 
 def test_a_slow_redis_is_a_counted_miss_within_the_timeout_and_takes_no_block(server):
-    from conftest import lookup_rows, publish_seq
+    from support.pools import lookup_rows, publish_seq
     writer = _attached(server, timeout=0.3)
     want = publish_seq(writer, SYS_PROMPT, seed=7)
     reader = _attached(server, timeout=0.3)
@@ -593,7 +593,7 @@ def test_a_busy_pool_refuses_without_reading_through_and_leaks_nothing(server):
     """Refused for now (8 of 12 blocks held, 12 needed): nothing is read
     from Redis, nothing imported, the pool as it was; once the blocks are
     back the read-through fills the prefix."""
-    from conftest import lookup_rows, publish_seq
+    from support.pools import lookup_rows, publish_seq
     writer = _attached(server)
     publish_seq(writer, SYS_PROMPT, seed=7)
     reader = _attached(server, total=12)
@@ -617,7 +617,7 @@ def test_two_processes_share_a_system_prompt_through_one_redis(server, tmp_path)
         import sys
         import numpy as np
         sys.path.insert(0, {here!r})
-        from conftest import store_pool, publish_seq, lookup_rows
+        from support.pools import store_pool, publish_seq, lookup_rows
         from ferrox_kv.store import RedisPrefixStore
         url, role, out = sys.argv[1:]
         pool = store_pool(64)
@@ -690,7 +690,9 @@ def test_the_threaded_example_run_twice_shares_its_system_prompt_through_redis(s
 
 
 def test_eight_threads_read_and_write_through_one_pool_and_one_store(server):
-    from conftest import STORE_DIM, STORE_HEADS, rows, run_threads
+    from support.numerics import rows
+    from support.pools import STORE_DIM, STORE_HEADS
+    from support.threads import run_threads
     writer = _attached(server, total=256)
     reader = _attached(server, total=256)
     w = STORE_HEADS * STORE_DIM
@@ -717,7 +719,7 @@ def test_a_salt_longer_than_the_format_holds_stays_local_and_nothing_raises(serv
     """The pool takes any salt; one beyond MAX_SALT bytes encoded is never
     written to nor read from the store (the format cannot hold it), and
     neither publish nor a lookup raises for it."""
-    from conftest import lookup_rows, publish_seq
+    from support.pools import lookup_rows, publish_seq
     from ferrox_kv.store._format import MAX_SALT
     long = "x" * (MAX_SALT + 1)
     writer = _attached(server)
@@ -736,7 +738,9 @@ def test_a_salt_longer_than_the_format_holds_stays_local_and_nothing_raises(serv
 def test_detaching_the_store_while_threads_look_up_and_publish_never_raises(server):
     """attach(None) from another thread between a pool's check for a store
     and its use of it: the lookup or the write-through just goes without."""
-    from conftest import STORE_DIM, STORE_HEADS, rows, run_threads, store_pool
+    from support.numerics import rows
+    from support.pools import STORE_DIM, STORE_HEADS, store_pool
+    from support.threads import run_threads
     store = RedisPrefixStore(server.url, namespace="detach", fingerprint=FP)
     pool = store_pool(64)
     pool.attach(store)

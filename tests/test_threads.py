@@ -12,7 +12,8 @@ import pytest
 import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
 from ferrox_kv import _core
-from conftest import stored, values
+from support.numerics import stored, values
+from support.threads import run_threads
 
 
 @pytest.fixture
@@ -23,72 +24,69 @@ def gil_always_released():
     ferrox_kv.set_gil_release_threshold(old)
 
 
-def _worker(pool, seed, steps, errors, h, d):
+def _worker(pool, seed, steps, h, d):
     dt = pool.dtype
     rng = random.Random(seed)
     w = h * d
     live = []                                  # (cache, expected k rows, expected v rows)
     counter = seed * (1_000_000 if dt == "float32" else 10_000)   # int8 scales stay finite
-    try:
-        for _ in range(steps):
-            op = rng.random()
-            if op < 0.15 or not live:
-                try:
-                    c = KvCache.with_pool(h, d, pool, rng.randint(0, 24))
-                except KvPoolExhausted:
-                    c = KvCache(h, d, dtype=dt)
-                live.append([c, [], []])
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.15 or not live:
+            try:
+                c = KvCache.with_pool(h, d, pool, rng.randint(0, 24))
+            except KvPoolExhausted:
+                c = KvCache(h, d, dtype=dt)
+            live.append([c, [], []])
+            continue
+        entry = rng.choice(live)
+        c, ks, vs = entry
+        if op < 0.45:
+            counter += 1
+            k = np.full(w, counter, np.float32)
+            try:
+                c.push(k, -k)
+            except KvPoolExhausted:
                 continue
-            entry = rng.choice(live)
-            c, ks, vs = entry
-            if op < 0.45:
-                counter += 1
-                k = np.full(w, counter, np.float32)
-                try:
-                    c.push(k, -k)
-                except KvPoolExhausted:
-                    continue
-                ks.append(k), vs.append(-k)
-            elif op < 0.65:
-                t = rng.randint(1, 40)
-                base = np.arange(t * w, dtype=np.float32).reshape(t, w) + counter
-                counter += t * w
-                try:
-                    c.extend(base, base * 2)
-                except KvPoolExhausted:
-                    continue
-                ks.extend(base), vs.extend(base * 2)
-            elif op < 0.70:
-                group = rng.sample(live, rng.randint(1, len(live)))
-                counter += 1
-                rows = np.arange(len(group) * w, dtype=np.float32).reshape(len(group), w) + counter
-                counter += len(group) * w
-                try:
-                    ferrox_kv.push_layers([g[0] for g in group], rows, -rows)
-                except KvPoolExhausted:
-                    continue
-                for g, row in zip(group, rows):
-                    g[1].append(row), g[2].append(-row)
-            elif op < 0.75:
-                n = rng.randint(0, len(ks))
-                c.truncate(n)
-                del ks[n:], vs[n:]
-            elif op < 0.82:
-                c.release_to_pool()
-            elif op < 0.90:
-                live.remove(entry)             # drop: blocks go back
-                del c, entry
-            else:
-                got_k, got_v = values(c.k).reshape(-1, w), values(c.v).reshape(-1, w)
-                np.testing.assert_array_equal(got_k, stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
-                np.testing.assert_array_equal(got_v, stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
-        for c, ks, vs in live:
-            np.testing.assert_array_equal(values(c.k).reshape(-1, w),
-                                          stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
-            np.testing.assert_array_equal(values(c.v).reshape(-1, w),
-                                          stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
-    except BaseException as e:                 # reported by the main thread
-        errors.append(e)
+            ks.append(k), vs.append(-k)
+        elif op < 0.65:
+            t = rng.randint(1, 40)
+            base = np.arange(t * w, dtype=np.float32).reshape(t, w) + counter
+            counter += t * w
+            try:
+                c.extend(base, base * 2)
+            except KvPoolExhausted:
+                continue
+            ks.extend(base), vs.extend(base * 2)
+        elif op < 0.70:
+            group = rng.sample(live, rng.randint(1, len(live)))
+            counter += 1
+            rows = np.arange(len(group) * w, dtype=np.float32).reshape(len(group), w) + counter
+            counter += len(group) * w
+            try:
+                ferrox_kv.push_layers([g[0] for g in group], rows, -rows)
+            except KvPoolExhausted:
+                continue
+            for g, row in zip(group, rows):
+                g[1].append(row), g[2].append(-row)
+        elif op < 0.75:
+            n = rng.randint(0, len(ks))
+            c.truncate(n)
+            del ks[n:], vs[n:]
+        elif op < 0.82:
+            c.release_to_pool()
+        elif op < 0.90:
+            live.remove(entry)             # drop: blocks go back
+            del c, entry
+        else:
+            got_k, got_v = values(c.k).reshape(-1, w), values(c.v).reshape(-1, w)
+            np.testing.assert_array_equal(got_k, stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
+            np.testing.assert_array_equal(got_v, stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
+    for c, ks, vs in live:
+        np.testing.assert_array_equal(values(c.k).reshape(-1, w),
+                                      stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
+        np.testing.assert_array_equal(values(c.v).reshape(-1, w),
+                                      stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
 
 
 @pytest.mark.parametrize("threshold,dtype", [("default", "float32"), ("always", "float32"),
@@ -97,14 +95,7 @@ def test_eight_threads_share_one_pool_and_every_block_comes_back(threshold, dtyp
     if threshold == "always":
         request.getfixturevalue("gil_always_released")
     pool = KvBlockPool(4, 64, 2, 8, dtype=dtype)
-    errors = []
-    threads = [threading.Thread(target=_worker, args=(pool, s, 600, errors, 2, 8))
-               for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
+    errors = run_threads(8, lambda s: _worker(pool, s, 600, 2, 8))
     if errors:
         raise errors[0]
     gc.collect()

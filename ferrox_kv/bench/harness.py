@@ -194,16 +194,21 @@ def rows(n, width, seed=0):
     return rng.standard_normal((n, width), dtype=np.float32)
 
 
-def run_threads(n, fn):
-    """Start n threads running fn(i) together; return wall seconds."""
+def start_together(n, fn, timeout=None):
+    """Run ``fn(i)`` on ``n`` threads that a barrier releases together, and
+    wait for them (each join at most ``timeout`` seconds). Returns the wall
+    seconds from the release until the last one finished, and what the
+    threads raised (a list, empty when every one finished cleanly). A thread
+    still running when its join timed out is a ``RuntimeError``. The bench's
+    runs and the tests' threads both start here."""
     barrier = threading.Barrier(n + 1)
     errors = []
 
     def body(i):
-        barrier.wait()
         try:
+            barrier.wait()
             fn(i)
-        except BaseException as e:  # surfaced below
+        except BaseException as e:  # handed to the caller
             errors.append(e)
 
     threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
@@ -212,8 +217,17 @@ def run_threads(n, fn):
     barrier.wait()
     t0 = time.perf_counter()
     for th in threads:
-        th.join()
+        th.join(timeout)
     dt = time.perf_counter() - t0
+    if any(th.is_alive() for th in threads):
+        raise RuntimeError(f"a thread did not finish within {timeout} s")
+    return dt, errors
+
+
+def run_threads(n, fn):
+    """Start n threads running fn(i) together; return wall seconds (the first
+    exception a thread raised is raised here)."""
+    dt, errors = start_together(n, fn)
     if errors:
         raise errors[0]
     return dt

@@ -164,9 +164,10 @@ def _decode_rows(res, contexts, reps, quick, rng, wide, threads):
             res.add(g, GEO, f"precision.attend.{dt}", tag + f"{dt}: decode attend @ {T}", us[dt],
                     "us/call", us[dt] / us["float32"], "float32 attend", context=T, dtype=dt,
                     max_abs_err=err, simd_width=16 if _wide() else 8, threads=threads)
-            res.add(g, GEO, f"precision.attend_floor.{dt}", tag + f"{dt}: decode attend @ {T} vs its read floor",
-                    us[dt], "us/call", us[dt] / us[f"floor.{dt}"], "own read floor", context=T,
-                    dtype=dt, floor_us=us[f"floor.{dt}"], threads=threads)
+            res.add(g, GEO, f"precision.attend_floor.{dt}",
+                    tag + f"{dt}: decode attend @ {T} vs its read floor", us[dt], "us/call",
+                    us[dt] / us[f"floor.{dt}"], "own read floor", context=T, dtype=dt,
+                    floor_us=us[f"floor.{dt}"], threads=threads)
             if wide:
                 res.add(g, GEO, f"precision.attend_w16.{dt}",
                         f"{dt}: decode attend @ {T}, 16-float vs 8-float path", us[dt], "us/call",
@@ -281,10 +282,12 @@ def targets(res):
         out.append(Target(f"decode attend @ 8192, {dt} vs its read floor",
                           f"precision.attend_floor.{dt}", "<=", 1.3,
                           where={"dtype": dt, "context": 8192, "threads": 1}))
-    for n in sorted({r.get("threads", 1) for r in res.rows if r["slug"] == "precision.attend.float32"} - {1}):
+    for n in sorted({r.get("threads", 1) for r in res.rows
+                     if r["slug"] == "precision.attend.float32"} - {1}):
         for dt, goal in _ATTEND_GOAL_N.items():
-            out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs float32", f"precision.attend.{dt}",
-                              "<=", goal, where={"dtype": dt, "context": 8192, "threads": n}))
+            out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs float32",
+                              f"precision.attend.{dt}", "<=", goal,
+                              where={"dtype": dt, "context": 8192, "threads": n}))
         for dt in DTYPES:
             out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs its {n}-thread read floor",
                               f"precision.attend_floor.{dt}", "<=", 1.5 if dt == "float32" else 2.0,

@@ -103,9 +103,9 @@ def bench_threads(res, geo, max_threads, reps, rows_per_thread, target_s=0.1,
             rate = t * per * loops / best[slug, t]
             if base is None:
                 base = rate
-            res.add(g, geo, f"threads.{slug}.{regime}", f"[{regime}] {name}, {t} thread{'s' if t > 1 else ''}",
-                    rate / 1e6, "Mpos/s", rate / base, "1 thread", threads=t, regime=regime,
-                    bytes_per_call=call_bytes)
+            label = f"[{regime}] {name}, {t} thread{'s' if t > 1 else ''}"
+            res.add(g, geo, f"threads.{slug}.{regime}", label, rate / 1e6, "Mpos/s", rate / base,
+                    "1 thread", threads=t, regime=regime, bytes_per_call=call_bytes)
     for c in caches:
         c.close()
     for cs in lcaches:
