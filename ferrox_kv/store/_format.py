@@ -597,6 +597,53 @@ class Scanned(NamedTuple):
     checksums: list[bytes]
 
 
+class _FileChecks:
+    """The checks of a prefix file's records and trailer, shared by both ways
+    of reading one (``decode_file``: the whole file in memory;
+    ``scan_file`` + ``read_entry``: streamed): the entry count the bytes can
+    hold, each key once, each parent earlier in the file with the same salt
+    and depth one less, the whole-file checksum over the header's digest and
+    the records' checksums, the trailer's magic and count, nothing after
+    it."""
+
+    def __init__(self, g: Geometry, n: int, at: int, size: int, head_digest: bytes) -> None:
+        if n > (size - at) // (ENTRY.size + 4 * g.block_size + g.payload_bytes + DIGEST):
+            raise StoreCorrupt("truncated", f"the header promises {n} entries; the "
+                                            f"{size} bytes cannot hold them")
+        self.n = n
+        self.size = size
+        self.whole = xxhash.xxh3_128(head_digest)
+        self.seen: dict[bytes, tuple[int, Any]] = {}
+
+    def record(self, at: int, key: bytes, parent: bytes, depth: int, salt: Any,
+               checksum: bytes) -> None:
+        """The record at byte ``at``, after its own fields were read."""
+        if key in self.seen:
+            raise StoreCorrupt("key", f"the entry at byte {at} appears twice")
+        if depth and self.seen.get(parent) != (depth - 1, salt):
+            raise StoreCorrupt("parent", f"the entry at byte {at} has no parent before it "
+                                         "(same salt, depth one less)")
+        self.seen[key] = (depth, salt)
+        self.whole.update(checksum)
+
+    def trailer(self, at: int, read: Any) -> None:
+        """The trailer at byte ``at``; ``read()`` gives its bytes."""
+        if self.size - at < TRAILER.size:
+            raise StoreCorrupt("truncated", f"ends at byte {self.size}, inside the trailer")
+        magic, count, checksum = TRAILER.unpack(read())
+        if magic != TRAILER_MAGIC:
+            raise StoreCorrupt("trailer magic", f"no trailer at byte {at}")
+        self.whole.update(struct.pack("<8sQ", magic, count))
+        if self.whole.digest() != checksum:
+            raise StoreCorrupt("file checksum", "the file's entries and trailer do not match "
+                                                "its checksum")
+        if count != self.n:                      # unreachable unless the checksum collides
+            raise StoreCorrupt("n_entries", f"the trailer counts {count}, the header {self.n}")
+        if at + TRAILER.size != self.size:
+            raise StoreCorrupt("trailing bytes", f"{self.size - at - TRAILER.size} bytes after "
+                                                 "the trailer")
+
+
 def scan_file(f: Any, size: int, *, geometry: Geometry, fingerprint: Any) -> Scanned:
     """The layout of the prefix file open as ``f`` (a binary file of ``size``
     bytes; read with seek/readinto), without reading the rows: the header
@@ -617,13 +664,8 @@ def scan_file(f: Any, size: int, *, geometry: Geometry, fingerprint: Any) -> Sca
     head = bytearray(min(size, HEADER.size + MAX_FINGERPRINT + 8 + DIGEST))
     got = read_into(f, 0, memoryview(head))
     _, _, n, at = _header(_view(head[:got]), KIND_FILE, g, fp)
-    record = ENTRY.size + 4 * bs + g.payload_bytes + DIGEST
-    if n > (size - at) // record:
-        raise StoreCorrupt("truncated", f"the header promises {n} entries; the "
-                                        f"{size} bytes cannot hold them")
-    whole = xxhash.xxh3_128(bytes(head[at - DIGEST:at]))
+    checks = _FileChecks(g, n, at, size, bytes(head[at - DIGEST:at]))
     out = Scanned(g, [], [], [], [], [], [], np.empty((n, bs), np.int32), [])
-    seen: dict[bytes, tuple[int, Any]] = {}
     for i in range(n):
         fixed = read_at(at, ENTRY.size)
         if len(fixed) < ENTRY.size:
@@ -644,31 +686,12 @@ def scan_file(f: Any, size: int, *, geometry: Geometry, fingerprint: Any) -> Sca
         salt = _decode_salt(tag, bytes(front[ENTRY.size:ENTRY.size + salt_len]))
         out.tokens[i] = np.frombuffer(front, "<i4", bs, start)
         checksum = bytes(read_at(at + rec - DIGEST, DIGEST))
-        if key in seen:
-            raise StoreCorrupt("key", f"the entry at byte {at} appears twice")
-        if depth and seen.get(parent) != (depth - 1, salt):
-            raise StoreCorrupt("parent", f"the entry at byte {at} has no parent before it "
-                                         "(same salt, depth one less)")
-        seen[key] = (depth, salt)
-        whole.update(checksum)
+        checks.record(at, key, parent, depth, salt, checksum)
         for lst, x in zip(out[1:7], (at, rec, depth, key, parent, salt)):
             lst.append(x)
         out.checksums.append(checksum)
         at += rec
-    if size - at < TRAILER.size:
-        raise StoreCorrupt("truncated", f"ends at byte {size}, inside the trailer")
-    magic, count, checksum = TRAILER.unpack(read_at(at, TRAILER.size))
-    if magic != TRAILER_MAGIC:
-        raise StoreCorrupt("trailer magic", f"no trailer at byte {at}")
-    whole.update(struct.pack("<8sQ", magic, count))
-    if whole.digest() != checksum:
-        raise StoreCorrupt("file checksum", "the file's entries and trailer do not match its "
-                                            "checksum")
-    if count != n:                               # unreachable unless the checksum collides
-        raise StoreCorrupt("n_entries", f"the trailer counts {count}, the header {n}")
-    if at + TRAILER.size != size:
-        raise StoreCorrupt("trailing bytes", f"{size - at - TRAILER.size} bytes after the "
-                                             "trailer")
+    checks.trailer(at, lambda: read_at(at, TRAILER.size))
     return out
 
 
@@ -710,37 +733,14 @@ def decode_file(data: Any, *, geometry: Geometry | None = None,
     buf = _view(data)
     fp = None if fingerprint is None else fingerprint_bytes(fingerprint)
     g, got_fp, n, at = _header(buf, KIND_FILE, geometry, fp)
-    if n > (len(buf) - at) // (ENTRY.size + 4 * g.block_size + g.payload_bytes + DIGEST):
-        raise StoreCorrupt("truncated", f"the header promises {n} entries; the "
-                                        f"{len(buf)} bytes cannot hold them")
-    whole = xxhash.xxh3_128(bytes(buf[at - DIGEST:at]))
+    checks = _FileChecks(g, n, at, len(buf), bytes(buf[at - DIGEST:at]))
     entries: list[Entry] = []
-    seen: dict[bytes, tuple[int, Any]] = {}
     for _ in range(n):
         e, checksum, nxt = _entry(buf, at, g, allowed_flags=allowed_flags)
-        if e.key in seen:
-            raise StoreCorrupt("key", f"the entry at byte {at} appears twice")
-        if e.depth and seen.get(e.parent) != (e.depth - 1, e.salt):
-            raise StoreCorrupt("parent", f"the entry at byte {at} has no parent before it "
-                                         "(same salt, depth one less)")
-        seen[e.key] = (e.depth, e.salt)
-        whole.update(checksum)
+        checks.record(at, e.key, e.parent, e.depth, e.salt, checksum)
         entries.append(e)
         at = nxt
-    if len(buf) - at < TRAILER.size:
-        raise StoreCorrupt("truncated", f"ends at byte {len(buf)}, inside the trailer")
-    magic, count, checksum = TRAILER.unpack_from(buf, at)
-    if magic != TRAILER_MAGIC:
-        raise StoreCorrupt("trailer magic", f"no trailer at byte {at}")
-    whole.update(bytes(buf[at:at + 16]))
-    if whole.digest() != checksum:
-        raise StoreCorrupt("file checksum", "the file's entries and trailer do not match its "
-                                            "checksum")
-    if count != n:                               # unreachable unless the checksum collides
-        raise StoreCorrupt("n_entries", f"the trailer counts {count}, the header {n}")
-    if at + TRAILER.size != len(buf):
-        raise StoreCorrupt("trailing bytes", f"{len(buf) - at - TRAILER.size} bytes after the "
-                                             "trailer")
+    checks.trailer(at, lambda: buf[at:at + TRAILER.size])
     return Decoded(g, got_fp, entries)
 
 
