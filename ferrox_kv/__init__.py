@@ -37,6 +37,37 @@ from ferrox_kv._core import (
     simd_path,
 )
 
+
+
+class _StoreFiles:
+    """What ``KvBlockPool.save_prefixes`` / ``load_prefixes`` and
+    ``KvCache.save`` / ``load`` forward to: ``ferrox_kv.store``, imported when
+    first used (it needs xxhash). The core never imports the store; the
+    package connects the two here."""
+
+    @staticmethod
+    def save_prefixes(pool, path, **kw):
+        from ferrox_kv.store import save_prefixes
+        return save_prefixes(pool, path, **kw)
+
+    @staticmethod
+    def load_prefixes(pool, path, **kw):
+        from ferrox_kv.store import load_prefixes
+        return load_prefixes(pool, path, **kw)
+
+    @staticmethod
+    def save_cache(cache, path, **kw):
+        from ferrox_kv.store import save_cache
+        return save_cache(cache, path, **kw)
+
+    @staticmethod
+    def load_cache(path, **kw):
+        from ferrox_kv.store import load_cache
+        return load_cache(path, **kw)
+
+
+ferrox_kv._core._set_store_files(_StoreFiles)
+
 __version__ = "0.1.0"
 
 __all__ = [

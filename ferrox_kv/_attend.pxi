@@ -194,7 +194,8 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                                        "(n_heads, head_dim) or (q_len, n_heads, head_dim)")
                 + f"; got {cnp.PyArray_NDIM(qa)} dimensions, shape {_shape(qa)}")
         if batched and q_len == -1:
-            raise ValueError(f"q must be shaped (B, q_len, n_heads, head_dim); got shape {_shape(qa)}")
+            raise ValueError("q must be shaped (B, q_len, n_heads, head_dim); "
+                             f"got shape {_shape(qa)}")
         if batched and qa.shape[0] != n:
             raise ValueError(f"q has {qa.shape[0]} sequences for {n} caches")
         nh = qa.shape[cnp.PyArray_NDIM(qa) - 2]

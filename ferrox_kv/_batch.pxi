@@ -82,8 +82,9 @@ cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
     and dtype (``owners[i]`` is the KvCache of ``cs[i]``): rows ``i*t ..
     i*t+t-1`` of ``k_src``/``v_src`` (values of ``src``: FX_F32 / FX_F16 /
     FX_BF16) go to cache i, converted to its dtype, or SRC_STORED rows in
-    the caches' own format; NULL sources append zeros. All or nothing: every buffer and block any cache needs is
-    obtained before a row is written. The copies run in one loop, without
+    the caches' own format; NULL sources append zeros. All or nothing:
+    every buffer and block any cache needs is obtained before a row is
+    written. The copies run in one loop, without
     the GIL when they pay."""
     cdef Py_ssize_t i
     cdef size_t item = _src_size(src)

@@ -1,10 +1,19 @@
-# The C layer of ferrox_kv: structs and the functions that move block ids and
-# rows. Implemented in _core.pyx and its includes (_pool.pxi, _prefix.pxi,
-# _cache.pxi, _batch.pxi, _attend.pxi); C helpers live in _fx.h (inline),
-# the row conversions in _conv.h / _conv.c and the attention kernel in
-# _attn.h / _attn.c (built once per x86-64 level: _attn_base.c, _attn_v3.c,
-# _attn_v4.c), the worker threads in _workers.h / _workers.c. setup.py
-# compiles those C files next to _core.c.
+# The index of ferrox_kv's C layer: every struct and every nogil function of
+# the core, grouped by the file that defines it (_core.pyx includes those
+# .pxi files), each tagged with its lock rule:
+#
+#   [takes lock]  takes and releases the pool lock(s) itself; call it with no
+#                 pool lock held (a pthread mutex is not recursive);
+#   [lock held]   the caller holds the pool's lock;
+#   [no lock]     touches no shared pool state, or only the caller's own
+#                 (a cache it has claimed, fresh memory).
+#
+# Nothing under a pool lock makes a Python object, raises or can run the
+# garbage collector: these functions return codes, raised after unlocking.
+# C helpers live in _fx.h (inline), the row conversions in _conv.h / _conv.c,
+# the attention kernel in _attn.h / _attn.c (built once per x86-64 level:
+# _attn_base.c, _attn_v3.c, _attn_v4.c), the worker threads in _workers.h /
+# _workers.c. setup.py compiles those C files next to _core.c.
 
 cimport cython
 cimport numpy as cnp
@@ -13,6 +22,12 @@ from libc.stdint cimport int32_t, uint16_t, uint64_t
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
         pass
+    ctypedef void (*fx_fork_fn)() noexcept nogil
+    int pthread_mutex_init(pthread_mutex_t*, void*)
+    int pthread_mutex_destroy(pthread_mutex_t*)
+    int pthread_mutex_lock(pthread_mutex_t*)
+    int pthread_mutex_unlock(pthread_mutex_t*)
+    int pthread_atfork(fx_fork_fn prepare, fx_fork_fn parent, fx_fork_fn child)
 
 
 cdef extern from "_fx.h" nogil:
@@ -111,7 +126,7 @@ cdef enum:
 cdef enum:
     FX_EXHAUSTED = -1         # fewer free blocks than needed; nothing changed
     FX_BAD_IDS = -2           # an id not held as the request says; nothing changed
-    FX_NOT_FREE = -3          # would share or evict (pool_import_reserve's only_free); nothing changed
+    FX_NOT_FREE = -3          # would share or evict (only_free); nothing changed
 
 
 # The prefix cache's index (see _prefix.pxi). Entry e (ids 1..cap; 0 is
@@ -168,7 +183,8 @@ ctypedef struct Pool:
     Py_ssize_t next_fresh     # ids >= next_fresh were never handed out
     int32_t* refs             # holders per block: table entries + a raw allocation
     unsigned char* owner      # OWNER_* per block
-    int32_t* delta            # scratch for pools_update, all zero between calls
+    int32_t* delta            # scratch under the lock: _req_check's counts and
+    #                           _distinct_unpublished's marks; all zero between calls
     Py_ssize_t n_used         # blocks with holders
     Py_ssize_t high_water
     uint64_t acquired
@@ -194,6 +210,27 @@ ctypedef struct BlockReq:
     int owner
     Py_ssize_t needed         # out, when refused: blocks it needed beyond what it gives back
     Py_ssize_t free_seen      # out, when refused: the pool's free blocks
+
+
+# The entries of one import (_prefix_io.pxi): the caller fills the inputs,
+# pool_import_reserve the outputs; pool_import_publish or pool_import_abort
+# ends it.
+ctypedef struct Import:
+    int32_t layers
+    Py_ssize_t n              # entries, parents first
+    const uint64_t* keys      # chained keys
+    const int32_t* tokens     # n * block_size token ids
+    const int32_t* salt       # salt ids
+    const int32_t* parent     # parent's index (< i), or -1
+    int32_t* ent              # per entry: the published entry it matched, or 0 (new)
+    int32_t* slot             # per entry: -1 (present), or s: its layer j block is
+    #                           fresh[j * n_new + s]
+    int32_t* share            # room for n * layers ids: the present entries' blocks
+    int32_t* fresh            # room for n * layers ids: the new entries' blocks
+    Py_ssize_t taken          # out: the leading entries reserved
+    Py_ssize_t n_new          # out: of those, the new ones
+    Py_ssize_t high_water     # out: the pool's high-water mark before the reservation
+    BlockReq req              # out, when refused: by how much
 
 
 # KvCache.c.state
@@ -228,38 +265,123 @@ ctypedef struct Cache:
     void* pool_next
 
 
-cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int vhd,
-                    int dtype, bint prefix_cache) noexcept nogil
-cdef void pool_incref(Pool* p) noexcept nogil
-cdef void pool_decref(Pool* p) noexcept nogil
-cdef Py_ssize_t pool_free_count(Pool* p) noexcept nogil
-cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil
-cdef int pools_update(BlockReq* reqs, Py_ssize_t n, Py_ssize_t* failed) noexcept nogil
-cdef int pool_drop(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil
+# -- _args.pxi: argument conversion --------------------------------------------------
 
-cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
-                      const void* k, const void* v, int src) noexcept nogil
-cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
-                       void* k_out, void* v_out, bint to_f32) noexcept nogil
-cdef void cache_detach(Cache* c) noexcept nogil
-cdef void pool_link(Pool* p, Cache** cs, Py_ssize_t n) noexcept nogil
-cdef int pool_check(Pool* p, Py_ssize_t* where) noexcept nogil
+cdef size_t _row_bytes(Py_ssize_t h, Py_ssize_t d, int dtype) noexcept nogil      # [no lock]
+
+
+# -- _pool.pxi: the pool, and the check/apply pair that moves block ids ---------------
+
+cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int vhd,
+                    int dtype, bint prefix_cache) noexcept nogil    # [takes lock] registry
+cdef void _pool_free_memory(Pool* p) noexcept nogil                 # [no lock]
+cdef void pool_incref(Pool* p) noexcept nogil                       # [no lock] atomic
+cdef void pool_decref(Pool* p) noexcept nogil                       # [takes lock] registry
+# reference counts and the free list
+cdef bint _published(Pool* p, int32_t b) noexcept nogil             # [lock held]
+cdef void _hold(Pool* p, int32_t b) noexcept nogil                  # [lock held]
+cdef void _push_free(Pool* p, int32_t b) noexcept nogil             # [lock held]
+cdef void _unhold(Pool* p, int32_t b) noexcept nogil                # [lock held]
+cdef int32_t _take(Pool* p, int owner) noexcept nogil               # [lock held]
+cdef void _untake(Pool* p, int32_t b) noexcept nogil                # [lock held]
+# the one check/apply pair, and the calls built on it
+cdef int _req_check(BlockReq* r) noexcept nogil                     # [lock held]
+cdef void _req_apply(BlockReq* r) noexcept nogil                    # [lock held]
+cdef int pools_update(BlockReq* reqs, Py_ssize_t n,
+                      Py_ssize_t* failed) noexcept nogil            # [takes lock] each pool's
+cdef int pool_drop(Pool* p, const int32_t* ids, Py_ssize_t n) noexcept nogil     # [takes lock]
+cdef int pool_take(Pool* p, Py_ssize_t n, int32_t* out, int owner,
+                   BlockReq* r) noexcept nogil                      # [takes lock]
+cdef Py_ssize_t pool_free_count(Pool* p) noexcept nogil             # [takes lock]
+cdef Py_ssize_t pool_refuse(Pool* p) noexcept nogil                 # [takes lock]
+# the pool's list of caches
+cdef void pool_link(Pool* p, Cache** cs, Py_ssize_t n) noexcept nogil            # [takes lock]
+cdef void _pool_unlink(Pool* p, Cache* c) noexcept nogil            # [takes lock]
+# fork (pthread_atfork): every pool lock, in address order
+cdef void _fork_prepare() noexcept nogil                            # [takes lock] all, kept
+cdef void _fork_release() noexcept nogil                            # [lock held] all, released
+
+
+# -- _check.pxi: the invariant checker (KvBlockPool.check) ---------------------------
+
+cdef int pool_check(Pool* p, Py_ssize_t* where) noexcept nogil     # [takes lock]
+cdef int _check_locked(Pool* p, int32_t* mark,
+                       Py_ssize_t* where) noexcept nogil            # [lock held]
+
+
+# -- _prefix.pxi: the prefix cache's index --------------------------------------------
+
+cdef Prefix* prefix_new(Py_ssize_t total, Py_ssize_t block_size) noexcept nogil  # [no lock]
+cdef void prefix_free(Prefix* x) noexcept nogil                     # [no lock]
+cdef void _lru_remove(Prefix* x, int32_t e) noexcept nogil          # [lock held]
+cdef void _lru_append(Prefix* x, int32_t e) noexcept nogil          # [lock held]
+cdef bint _in_lru(Prefix* x, int32_t e) noexcept nogil              # [lock held]
+cdef void prefix_held(Pool* p, int32_t b) noexcept nogil            # [lock held]
+cdef void prefix_unheld(Pool* p, int32_t b) noexcept nogil          # [lock held]
+cdef Py_ssize_t _bucket(Prefix* x, uint64_t key) noexcept nogil     # [lock held]
+cdef int32_t _find(Pool* p, uint64_t key, int32_t parent, int32_t salt, int32_t layers,
+                   const int32_t* tokens) noexcept nogil            # [lock held]
+cdef void _unlink(Pool* p, int32_t e) noexcept nogil                # [lock held]
+cdef void prefix_evict(Pool* p) noexcept nogil                      # [lock held]
+cdef Py_ssize_t prefix_match(Pool* p, const uint64_t* keys, const int32_t* tokens,
+                             Py_ssize_t n, int32_t layers, int32_t salt,
+                             int32_t* out) noexcept nogil           # [lock held]
+cdef void prefix_blocks(Pool* p, const int32_t* entries, Py_ssize_t n, int32_t layers,
+                        int32_t* out) noexcept nogil                # [lock held]
+cdef bint _distinct_unpublished(Pool* p, int32_t** tables, int32_t layers,
+                                Py_ssize_t i) noexcept nogil        # [lock held]
+cdef int32_t _entry_add(Pool* p, uint64_t key, int32_t parent, int32_t salt, int32_t layers,
+                        const int32_t* tok, int32_t** tables,
+                        Py_ssize_t i) noexcept nogil                # [lock held]
+cdef Py_ssize_t prefix_publish(Pool* p, int32_t** tables, int32_t layers,
+                               const uint64_t* keys, const int32_t* tokens, Py_ssize_t n,
+                               int32_t salt) noexcept nogil         # [lock held]
+cdef void prefix_keys(const int32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bs,
+                      int32_t layers, int32_t salt, uint64_t* keys) noexcept nogil  # [no lock]
+cdef int pool_reserve(Pool* p, const uint64_t* keys, const int32_t* tokens, Py_ssize_t m_max,
+                      int32_t layers, int32_t salt, Py_ssize_t per, int32_t* out,
+                      Py_ssize_t stride, int32_t* scratch, Py_ssize_t* matched,
+                      BlockReq* r) noexcept nogil                   # [takes lock]
+cdef Py_ssize_t pool_publish(Pool* p, int32_t** tables, int32_t layers, const uint64_t* keys,
+                             const int32_t* tokens, Py_ssize_t n,
+                             int32_t salt) noexcept nogil           # [takes lock]
+
+
+# -- _prefix_io.pxi: entries out of and into a pool (what ferrox_kv.store uses) ---------
+
 cdef Py_ssize_t pool_export(Pool* p, int32_t* layers, int32_t* order, int32_t* salt,
                             int32_t* parent, int32_t* depth, int32_t* tokens,
-                            int32_t* ids) noexcept nogil
-cdef int pool_import_reserve(Pool* p, int32_t layers, Py_ssize_t n, const uint64_t* keys,
-                             const int32_t* tokens, const int32_t* salt,
-                             const int32_t* parent, bint fit, int32_t* ent, int32_t* slot,
-                             int32_t* share, int32_t* fresh, Py_ssize_t* taken,
-                             Py_ssize_t* n_new, BlockReq* r, bint only_free,
-                             Py_ssize_t* high_water) noexcept nogil
-cdef void pool_import_abort(Pool* p, const int32_t* fresh, Py_ssize_t n,
-                            Py_ssize_t high_water) noexcept nogil
-cdef Py_ssize_t pool_import_publish(Pool* p, int32_t layers, Py_ssize_t m, Py_ssize_t n_new,
-                                    const uint64_t* keys, const int32_t* tokens,
-                                    const int32_t* salt, const int32_t* parent, int32_t* ent,
-                                    const int32_t* slot, int32_t* fresh,
-                                    int32_t** tables) noexcept nogil
+                            int32_t* ids) noexcept nogil            # [takes lock]
+cdef int pool_import_reserve(Pool* p, Import* t, bint fit,
+                             bint only_free) noexcept nogil         # [takes lock]
+cdef void pool_import_abort(Pool* p, Import* t) noexcept nogil      # [takes lock]
+cdef Py_ssize_t pool_import_publish(Pool* p, Import* t,
+                                    int32_t** tables) noexcept nogil    # [takes lock]
+
+
+# -- _cache.pxi: rows of one cache (the caller has claimed it) -------------------------
+
+cdef char* _k_row(Cache* c, Py_ssize_t r) noexcept nogil            # [no lock]
+cdef char* _v_row(Cache* c, Py_ssize_t r) noexcept nogil            # [no lock]
+cdef Py_ssize_t _run(Cache* c, Py_ssize_t r, Py_ssize_t end) noexcept nogil     # [no lock]
+cdef bint _private_at(Cache* c, Py_ssize_t r) noexcept nogil        # [no lock]
+cdef bint _aliases(Cache* c, const void* src, size_t nbytes) noexcept nogil     # [no lock]
+cdef void _write_run(Cache* c, char* dst, size_t dst_row, const void* src, int nh,
+                     int d, Py_ssize_t m, int kind) noexcept nogil  # [no lock]
+cdef size_t _src_row(Cache* c, Py_ssize_t w, size_t stored, int kind) noexcept nogil  # [no lock]
+cdef void cache_write(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                      const void* k, const void* v, int src) noexcept nogil  # [no lock]
+cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
+                       void* k_out, void* v_out, bint to_f32) noexcept nogil  # [no lock]
+cdef void cache_detach(Cache* c) noexcept nogil                     # [takes lock]
+cdef Py_ssize_t _blocks_for(Py_ssize_t rows, Py_ssize_t bs) noexcept nogil      # [no lock]
+
+
+# -- _attend.pxi, _testing.pxi ---------------------------------------------------------
+
+cdef void _kv_of(Cache* c, fx_kv* kv) noexcept nogil                # [no lock]
+cdef float _read_cache(Cache* c) noexcept nogil                     # [no lock]
+cdef void _floor_unit(void* ctx, Py_ssize_t u, int slot) noexcept nogil         # [no lock]
 
 
 @cython.final
@@ -269,7 +391,7 @@ cdef class KvBlockPool:
     cdef readonly Py_ssize_t head_dim
     cdef readonly Py_ssize_t v_head_dim
     cdef dict _salts          # salt -> id, for the prefix cache
-    cdef object _store        # an attached prefix store (ferrox_kv.store), or None
+    cdef object _store        # an attached prefix store (KvBlockPool.attach), or None
     cdef object _arena_view(self, char* base, Py_ssize_t dim, size_t row, bint scales)
     cdef int32_t _salt_id(self, salt) except -1
 

@@ -159,7 +159,6 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
         _release_all(cs, n)
 
 
-
 def _convert_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t n_heads,
                    Py_ssize_t head_dim, dtype, Py_ssize_t repeat=1):
     """Convert float32 rows ``src`` (n, n_heads * head_dim) into stored rows

@@ -360,26 +360,29 @@ def test_import_with_a_reading_callable_gives_back_on_error_and_refuses_a_warm_p
             raise OSError("the disk went away")
         return k[i], v[i]
     with pytest.raises(OSError, match="disk"):
-        fresh._import_prefixes(layers, toks, salts, parents, failing, fit=True)
+        fresh._import_prefixes_streamed(layers, toks, salts, parents, failing, fit=True)
     assert calls == [0, 1, 2, 3, 4] and fresh.stats() == before
     fresh.check()
     for bad, exc in (((k[0],), TypeError), ((k[0][:1], v[0]), ValueError),
                      ((k[0].astype(np.int8), v[0]), ValueError)):
         with pytest.raises(exc):
-            fresh._import_prefixes(layers, toks, salts, parents, lambda i: bad, fit=True)
+            fresh._import_prefixes_streamed(layers, toks, salts, parents, lambda i: bad,
+                                            fit=True)
         assert fresh.stats() == before
-    assert fresh._import_prefixes(layers, toks, salts, parents,
-                                  lambda i: (k[i], v[i]), fit=True) == (6, 0, 0)
+    assert fresh._import_prefixes_streamed(layers, toks, salts, parents,
+                                           lambda i: (k[i], v[i]), fit=True) == (6, 0, 0)
     fresh.check()
     # entries already published: a reading callable is not used, nothing changes
     after = fresh.stats()
-    assert fresh._import_prefixes(layers, toks, salts, parents, failing, fit=True) is None
+    assert fresh._import_prefixes_streamed(layers, toks, salts, parents, failing,
+                                           fit=True) is None
     assert fresh.stats() == after and calls == [0, 1, 2, 3, 4]
     # a pool whose free list is short (cached blocks would be evicted): the same
     full = store_pool(14)
     publish_seq(full, [9, 9, 9, 9, 8, 8, 8, 8], seed=3)      # 4 of 14 blocks cached
     after = full.stats()
-    assert full._import_prefixes(layers, toks, salts, parents, failing, fit=True) is None
+    assert full._import_prefixes_streamed(layers, toks, salts, parents, failing,
+                                          fit=True) is None
     assert full.stats() == after
 
 

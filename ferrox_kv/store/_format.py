@@ -10,7 +10,6 @@ before the checksum that covers it has been verified.
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from typing import IO, Any, NamedTuple, Sequence
 
@@ -52,9 +51,6 @@ SALT_NONE, SALT_STR, SALT_BYTES, SALT_INT = 0, 1, 2, 3
 # conversation saved without tokens=); valid only where the reader allows it
 FLAG_NO_TOKENS = 1
 
-# dtype name -> bytes per value (int8 rows add float16 scales: row_bytes)
-DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-
 
 class StoreFormatError(ValueError):
     """Data that is not a valid ferrox_kv prefix file or store value; ``field``
@@ -76,13 +72,13 @@ class StoreMismatch(StoreFormatError):
 
 def row_bytes(n_kv_heads: int, head_dim: int, dtype: str) -> int:
     """Bytes of one stored row of ``n_kv_heads * head_dim`` values: packed values,
-    and for int8 one float16 scale per group of 32 dims of each head."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    n = n_kv_heads * head_dim * DTYPES[dtype]
-    if dtype == "int8":
-        n += 2 * n_kv_heads * math.ceil(head_dim / 32)
-    return n
+    and for int8 one float16 scale per group of 32 dims of each head. The core
+    owns the storage dtypes (``DTYPES``) and this size (``fx_row_bytes``); the
+    store asks it (at call time: the store imports no core at module level)."""
+    from ferrox_kv import _core
+    if dtype not in _core.DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_core.DTYPES)}, got {dtype!r}")
+    return _core._stored_row_bytes(n_kv_heads, head_dim, dtype)
 
 
 class Geometry(NamedTuple):

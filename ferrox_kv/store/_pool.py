@@ -128,8 +128,9 @@ def _import_streamed(pool: Any, scan: Scanned, f: Any) -> dict[str, int] | None:
     def rows(j: int) -> tuple[np.ndarray, np.ndarray]:
         e = read_entry(f, scan, order[j], buf)
         return e.k, e.v
-    got = pool._import_prefixes(scan.geometry.n_layers, scan.tokens[order],
-                                [scan.salts[i] for i in order], parents, rows, fit=True)
+    got = pool._import_prefixes_streamed(scan.geometry.n_layers, scan.tokens[order],
+                                         [scan.salts[i] for i in order], parents, rows,
+                                         fit=True)
     if got is None:
         return None
     added, present, left_out = got
@@ -163,25 +164,12 @@ def import_entries(pool: Any, geometry: Geometry, entries: list[Entry], *,
 
 # -- an attached store ---------------------------------------------------------------
 
-def check_store(store: Any) -> None:
-    """A store has ``put_chain``, ``get_chain`` and ``stats`` (None detaches)."""
-    if store is None:
-        return
-    for name in ("put_chain", "get_chain", "stats"):
-        if not callable(getattr(store, name, None)):
-            raise TypeError(f"store must be a prefix store such as "
-                            f"ferrox_kv.store.RedisPrefixStore (it has no {name}()), got "
-                            f"{type(store).__name__}")
-
-
-def write_through(pool: Any, caches: Any, tokens: np.ndarray, salt: Any) -> int:
+def write_through(store: Any, pool: Any, caches: Any, tokens: np.ndarray, salt: Any) -> int:
     """After ``pool.publish``: the published blocks of one sequence
-    (``caches``: its layers; ``tokens``: the published positions) to the
-    attached store. Store faults are counted there, never raised; a store
-    detached meanwhile, or a salt longer than the format holds, writes
-    nothing."""
-    store = pool.store                 # read once: another thread may detach it
-    if store is None or not salt_fits(salt):
+    (``caches``: its layers; ``tokens``: the published positions) to
+    ``store`` (``put_chain``). Store faults are counted there, never raised; a
+    salt longer than the format holds writes nothing."""
+    if not salt_fits(salt):
         return 0
     g = Geometry.of_pool(pool, len(caches))
     n = len(tokens)
@@ -194,15 +182,14 @@ def write_through(pool: Any, caches: Any, tokens: np.ndarray, salt: Any) -> int:
     return store.put_chain(g, entries)
 
 
-def read_through(pool: Any, tokens: np.ndarray, salt: Any, n_layers: int) -> int:
+def read_through(store: Any, pool: Any, tokens: np.ndarray, salt: Any, n_layers: int) -> int:
     """Before a lookup of ``tokens`` (whole blocks): the blocks past the local
-    prefix, fetched from the attached store (verified there), imported and
-    published, so that the lookup that follows shares them. A store fault
-    or a pool too full to take them is a miss here: nothing is raised and no
-    block stays taken; so is a store detached meanwhile, or a salt longer
-    than the format holds. Returns the blocks added."""
-    store = pool.store                 # read once: another thread may detach it
-    if store is None or not salt_fits(salt):
+    prefix, fetched from ``store`` (``get_chain``, verified there), imported
+    and published, so that the lookup that follows shares them. A store
+    fault or a pool too full to take them is a miss here: nothing is raised
+    and no block stays taken; so is a salt longer than the format holds.
+    Returns the blocks added."""
+    if not salt_fits(salt):
         return 0
     bs = pool.block_size
     nb = len(tokens) // bs

@@ -20,6 +20,7 @@ from ferrox_kv.store._format import (
     fingerprint_bytes,
     value_bytes,
 )
+from ferrox_kv.store._pool import read_through, write_through
 
 # delete a key only while it still holds the value that was rejected (its SHA-1)
 _DROP_IF_SAME = """
@@ -140,6 +141,20 @@ class RedisPrefixStore:
         """The Redis key of the block whose chained hash is ``chain_key``."""
         return (f"{self.namespace}:fxkv{VERSION}:{self._fp_tag}:{geometry.tag()}:"
                 f"{bytes(chain_key).hex()}").encode()
+
+    # -- the pool's hooks (KvBlockPool.attach): write through, read through ----
+
+    def after_publish(self, pool: Any, caches: Any, tokens: Any, salt: Any) -> int:
+        """Called by ``pool.publish``: the published blocks of one sequence
+        (``caches``: its layers; ``tokens``: the published positions) written
+        here; see ``ferrox_kv.store._pool.write_through``."""
+        return write_through(self, pool, caches, tokens, salt)
+
+    def before_lookup(self, pool: Any, tokens: Any, salt: Any, n_layers: int) -> int:
+        """Called by a lookup with ``tokens=``: the blocks past the pool's local
+        prefix fetched from here and published in the pool; see
+        ``ferrox_kv.store._pool.read_through``."""
+        return read_through(self, pool, tokens, salt, n_layers)
 
     def stats(self) -> dict[str, int]:
         """Counts since the store was made: ``lookups`` (get_chain calls),
