@@ -1,16 +1,17 @@
 # The C pool: arenas, block ids, reference counts, the check/apply pair that
-# moves them, fork handling; KvBlockPool on top.
+# moves them, fork handling. KvBlockPool (_pool_class.pxi) sits on top.
 #
-# Moving ids. Every change of holders goes through one check/apply pair
-# under the pool lock: _req_check (changes nothing; refuses the whole
-# BlockReq) then _req_apply (built on _hold, _unhold and _take). pools_update
-# is that pair for requests alone, over one or several pools; pool_reserve
-# (_prefix.pxi), pool_export and pool_import_reserve (_prefix_io.pxi) call
-# the pair inside their own locked step, after a lookup in the prefix index.
-# Outside the pair, only the index lets go of blocks it owns (_unhold at the
-# end of pool_import_publish; eviction in _unlink), and pool_import_abort
-# undoes its own reservation (_untake). A block joins the free list only
-# through _push_free.
+# Moving ids. Every request for blocks (take, share, give back) goes through
+# one check/apply pair under the pool lock: _req_check (changes nothing;
+# refuses the whole BlockReq) then _req_apply (built on _hold, _unhold and
+# _take). pools_update is that pair for requests alone, over one or several
+# pools; pool_reserve (_prefix.pxi), pool_export and pool_import_reserve
+# (_prefix_io.pxi) call it inside their own locked step, after a lookup in
+# the prefix index. Outside the pair ids move in three places only, each
+# ending something the pair began or the index owns: pool_import_publish
+# lets go of what its reservation held (_unhold), pool_import_abort undoes
+# its reservation (_untake), and eviction (_unlink) frees cached blocks no
+# one holds. A block joins the free list only through _push_free.
 #
 # Counting. A block is used (it has holders: table entries of caches, or one
 # raw allocation), cached (published in the prefix index and held by no one;
