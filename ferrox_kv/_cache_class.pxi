@@ -12,7 +12,7 @@ K and V rows of one sequence in one layer.
     ``KvCache.with_pool`` draws fixed-size blocks from a shared
     ``KvBlockPool``, reserving its worst case up front. ``dtype`` is the
     storage: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or
-    ``"int8"`` (README, "Precision"); input rows are converted to it inside
+    ``"int8"`` (docs/precision.md); input rows are converted to it inside
     the copy loop.
 
     A cache is not meant to be used from two threads at once: a method call

@@ -27,7 +27,7 @@ the includes, by topic:
 * ``_attend.pxi``: attention read in place (the kernel is ``_attn.h``);
 * ``_testing.pxi``: test and benchmark hooks.
 
-Locking rules (see the README's "Thread safety"):
+Locking rules (see docs/usage.md, "Thread safety"):
 
 * One pthread mutex per pool, held only while block ids move. Nothing inside
   the locked region makes a Python object, raises or can run the garbage

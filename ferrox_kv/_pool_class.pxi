@@ -31,8 +31,8 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     (``n_kv_heads * head_dim`` values each) and V rows
     (``n_kv_heads * v_head_dim``), stored as ``dtype``: ``"float32"`` (the
     default), ``"float16"``, ``"bfloat16"`` or ``"int8"`` (with one float16
-    scale per 32 values of each head, inside the row; see the README's
-    "Precision"). The pool owns one K arena and one V arena of
+    scale per 32 values of each head, inside the row; see
+    docs/precision.md). The pool owns one K arena and one V arena of
     ``total_blocks`` blocks, allocated so that untouched blocks cost no
     physical memory. Block ids and their reference counts move under one
     native mutex, held only while ids move. ``free_blocks`` is the

@@ -759,8 +759,8 @@ def regions(data: Any) -> list[tuple[str, int, int]]:
         out += [(f"entry {i} magic", at, at + 4), (f"entry {i} flags", at + 4, at + 8),
                 (f"entry {i} record_bytes", at + 8, at + 16), (f"entry {i} depth", at + 16, at + 20),
                 (f"entry {i} n_tokens", at + 20, at + 24), (f"entry {i} salt_tag", at + 24, at + 25),
-                (f"entry {i} padding", at + 25, at + 28), (f"entry {i} salt_len", at + 28, at + 32), (f"entry {i} key", at + 32, at + 48),
-                (f"entry {i} parent", at + 48, at + 64)]
+                (f"entry {i} padding", at + 25, at + 28), (f"entry {i} salt_len", at + 28, at + 32),
+                (f"entry {i} key", at + 32, at + 48), (f"entry {i} parent", at + 48, at + 64)]
         if salt_len:
             out.append((f"entry {i} salt", at + ENTRY.size, at + ENTRY.size + salt_len))
         if at + ENTRY.size + salt_len < s:
