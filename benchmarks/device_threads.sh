@@ -5,24 +5,22 @@
 #   OUT=/some/dir bash benchmarks/device_threads.sh 16
 #
 # Needs python3 with numpy, Cython, setuptools; torch for the SDPA baselines.
-# It builds the extension in place, then runs, each at 1 and N threads
-# (N: the first argument, default `nproc`):
-#   1. the groups attention, precision and threads (llama8b geometry), with
-#      transformers hidden, so that a transformers outside the tested range
-#      (pyproject's hf extra) cannot stop them;
-#   2. the hf group with the machine's transformers, if it has one, under
-#      a time limit; a failure there is reported and does not fail the run.
-# Writes to $OUT (default ./device_out): machine.txt, build.log, bench.json,
-# bench.txt (the bench's report), hf.json and hf.txt (if run), summary.txt
-# (the issue's target rows, from the JSON), all.log.  About 5 minutes on
-# 16 cores (the build is 1-2 of them); the hf group is capped at
-# $HF_LIMIT seconds (default 150).
+# It builds the extension in place, then runs the bench groups attention,
+# precision, threads and hf (llama8b geometry), each at 1 and N threads
+# (N: the first argument, default `nproc`), each on its own under a time
+# limit (run_group below); the first three with transformers hidden, so
+# that a transformers outside the hf extra's range cannot stop them, and
+# hf with the machine's transformers, if it has one.  A group that fails
+# or runs out of time is reported and does not stop the others.
+# Writes to $OUT (default ./device_out): machine.txt, build.log, GROUP.json,
+# GROUP.txt (the bench's report), GROUP.err, summary.txt (the issue's
+# rows and targets, from the JSON), all.log.  Everything within $BUDGET
+# seconds (default 400, build included), under 7 minutes with the summary.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 N=${1:-$(nproc)}
 OUT=${OUT:-$PWD/device_out}
-HF_LIMIT=${HF_LIMIT:-150}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -62,28 +60,41 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$OUT" || exit 1
 "$PY" -m ferrox_kv info | tee -a "$OUT/machine.txt"
 
-# 1. the core groups, transformers hidden (an import of it fails, and the
-#    bench skips its hf rows and says so)
+# Each group runs on its own, with its own JSON, under a time limit: the
+# smaller of its cap and what is left of $BUDGET seconds (from the start,
+# build included), so that one slow group cannot take the others' rows.
+BUDGET=${BUDGET:-400}
 HIDE="$OUT/hide_transformers"
 mkdir -p "$HIDE/transformers"
 echo 'raise ImportError("hidden by device_threads.sh: the hf group runs apart")' > "$HIDE/transformers/__init__.py"
-stamp "bench: attention, precision, threads at 1 and $N threads"
-PYTHONPATH="$HIDE:$PYTHONPATH" "$PY" -m ferrox_kv bench --groups attention,precision,threads \
-    --geometry llama8b --threads "$N" --json "$OUT/bench.json" > "$OUT/bench.txt" 2> "$OUT/bench.err"
-rc=$?
-tail -5 "$OUT/bench.err"
-[ $rc -eq 0 ] || echo "bench exited $rc (see $OUT/bench.err)"
+run_group() {  # name cap [env PYTHONPATH prefix]
+    local name=$1 cap=$2 path=$3 left limit rc
+    left=$(( BUDGET - ($(date +%s) - t0) ))
+    limit=$(( cap < left ? cap : left ))
+    if [ "$limit" -lt 20 ]; then
+        echo "SKIPPED $name: $left s of the $BUDGET s budget left"
+        return
+    fi
+    stamp "bench $name at 1 and $N threads, at most $limit s"
+    PYTHONPATH="$path" timeout "$limit" "$PY" -m ferrox_kv bench --groups "$name" --geometry llama8b \
+        --threads "$N" --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+    rc=$?
+    tail -3 "$OUT/$name.err"
+    [ $rc -eq 0 ] || echo "FAILED $name: exit $rc (124: over its $limit s; see $OUT/$name.err)"
+}
 
-# 2. the hf group, if this machine's transformers works with ferrox_kv.hf
+# the core groups with transformers hidden (an import of it fails, and the
+# bench skips its hf rows and says so): a transformers outside the hf
+# extra's range cannot stop them
+run_group attention "${CAP_ATTENTION:-150}" "$HIDE:$PYTHONPATH"
+run_group precision "${CAP_PRECISION:-120}" "$HIDE:$PYTHONPATH"
+run_group threads "${CAP_THREADS:-90}" "$HIDE:$PYTHONPATH"
+# the hf group with the machine's transformers, if it has one
 if "$PY" -c "import transformers" 2> /dev/null; then
-    tv=$("$PY" -c "import transformers; print(transformers.__version__)")
-    echo "transformers $tv (the hf extra is tested with >=5.24,<5.25; an older one may fail here)"
-    stamp "bench: hf at 1 and $N threads, at most $HF_LIMIT s"
-    timeout "$HF_LIMIT" "$PY" -m ferrox_kv bench --groups hf --threads "$N" \
-        --json "$OUT/hf.json" > "$OUT/hf.txt" 2> "$OUT/hf.err"
-    hrc=$?
-    tail -5 "$OUT/hf.err"
-    [ $hrc -eq 0 ] || echo "hf group exited $hrc (124: over $HF_LIMIT s); the other rows stand. To run it, carry a transformers 5.24 wheel and put it on PYTHONPATH."
+    echo "transformers $("$PY" -c "import transformers; print(transformers.__version__)")" \
+         "(the hf extra is tested with >=5.24,<5.25; with another, the hf group may fail: then" \
+         "carry a transformers 5.24 wheel, unpack it and put it first on PYTHONPATH)"
+    run_group hf "${CAP_HF:-120}" "$PYTHONPATH"
 else
     echo "no transformers here: the hf group is skipped"
 fi
@@ -93,7 +104,7 @@ stamp "summary"
 import json, os, sys
 out, n = sys.argv[1], int(sys.argv[2])
 rows, targets = [], []
-for name in ("bench.json", "hf.json"):
+for name in ("attention.json", "precision.json", "threads.json", "hf.json"):
     p = os.path.join(out, name)
     if os.path.exists(p):
         d = json.load(open(p))
@@ -101,7 +112,7 @@ for name in ("bench.json", "hf.json"):
         targets += d["targets"]
         print(f"{name}: {d['machine']['cpus']} cpus, simd {d['machine']['simd_path']}, "
               f"{d['elapsed_s']:.0f} s; skipped: {d['skipped']}")
-keep = ("attention.", "precision.attend", "hf.")
+keep = ("attention.", "precision.attend", "hf.", "threads.")
 print(f"\n{'row':72} {'threads':>7} {'value':>10} {'unit':9} {'ratio':>7}  of")
 for r in rows:
     if r["slug"].startswith(keep) and r.get("threads") in (1, n):
