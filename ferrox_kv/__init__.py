@@ -87,3 +87,7 @@ __all__ = [
     "simd_path",
     "__version__",
 ]
+
+from ferrox_kv import _threadpoolctl
+
+_threadpoolctl.install()  # threadpoolctl sees the worker pool (no import of it here)

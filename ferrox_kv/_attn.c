@@ -112,7 +112,13 @@ FX_API const char *fx_attend_load_path(int dtype)
 #endif
         return "float16: exact integer conversion";
     case FX_BF16: return "bfloat16: zero-extend, shift 16";
-    case FX_I8: return "int8: widen x group scale";
+    case FX_I8:
+#if FX_ATTN_CLONES && FXA_HAVE_I8DOT
+        if (fxa_level() >= 3) return "int8: q.k as integers (query quantised, vpmaddubsw), p.V widen x group scale";
+#elif FXA_HAVE_I8DOT
+        return "int8: q.k as integers (query quantised, vpmaddubsw, compile-time), p.V widen x group scale";
+#endif
+        return "int8: query quantised, widen x group scale";
     default: return NULL;
     }
 }

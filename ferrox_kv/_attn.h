@@ -2,7 +2,9 @@
  * q_len float32 query positions against one sequence's K/V rows, read in
  * place from a contiguous or paged cache of any storage dtype (_conv.h:
  * float32, float16, bfloat16, int8 with float16 scales), accumulated in
- * float32, with torch SDPA's numerics.  The kernel's rules and loop nest
+ * float32, with torch SDPA's numerics; an int8 cache reads each query
+ * vector quantised to int8 (one scale per vector) and dots it with K in
+ * integers.  The kernel's rules and loop nest
  * are in _attn_kernel.h; it is built once per x86-64 level (_attn_base.c,
  * _attn_v3.c, _attn_v4.c) and fx_attend (_attn.c) calls the widest level
  * the CPU has.  No allocation, no libc calls besides memset/memcpy: safe to

@@ -25,6 +25,11 @@
  *     its group's scale (the chunk's scales are converted to float once per
  *     chunk).  The loop nest is one always_inline body, instantiated per
  *     dtype with the dtype a constant.
+ *   - int8 caches attend with each query vector quantised to int8 (one
+ *     scale per vector, fxa_quantise_q), on every level and path, so the
+ *     result never depends on which runs; where the level has AVX2
+ *     (FXA_HAVE_I8DOT) the decode's scores are integer dot products of it
+ *     with the stored K, exact in int32 (fxa_qk_tile_i8).
  *   - Rows are walked in chunks of FX_ATTN_CHUNK described by per-row
  *     pointers, so contiguous and paged caches share one path and a chunk
  *     may straddle blocks.  Query vectors sharing a kv head are processed
@@ -186,6 +191,101 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
 #define FXA_PV_TILE(W, ...) ((void)(W), fxa_pv_tile_8(__VA_ARGS__))
 #endif
 
+/* Integer q.k for int8 rows (FXA_I8DOT, x86-64-v3 and above): the query
+   vectors of an int8 cache are quantised once per pass (fxa_quantise_q:
+   qi, one factor qf per vector), and each 32-value group of a K row is
+   dotted with them in 16-bit pairs and 32-bit lanes, exactly: |k|, |q| <=
+   127 (the stored and the quantised ranges), so vpmaddubsw's pair sums
+   stay <= 2 * 127^2 < 2^15 and never saturate (|k| times q with k's sign:
+   the instruction takes one unsigned operand).  Each group's exact sum is
+   then converted and weighed by its K scale in float32, and the score
+   times qf:  s[t*FX_CS + r] = qf_t * sum_j ks_rj * (qi_t . k_rj).
+   GCC builtins rather than <immintrin.h> functions: they are checked where
+   they are expanded (see _simd.h's rules).  A head dim that is not a
+   multiple of 32 ends with a scalar integer group. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(FX_VECEXT) \
+    && (FX_ATTN_CLONES || defined(__AVX2__))
+#define FXA_HAVE_I8DOT 1
+typedef char fxa_v32b __attribute__((vector_size(32)));
+typedef char fxa_v32bu __attribute__((vector_size(32), aligned(1), may_alias));
+typedef short fxa_v16s __attribute__((vector_size(32)));
+FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const float *qf, int hd,
+                              const char *const *k, const float *const *ks, size_t koff, size_t soff, float *s)
+{
+    const int ng = hd / FX_I8_GROUP;
+    const fxa_v16s ones = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    fxa_v8 acc[12];
+    float sum[12];
+    int t, r, j, d;
+    for (t = 0; t < 12; t++) acc[t] = fxa_splat(0.0f);
+    for (j = 0; j < ng; j++)
+        for (r = 0; r < R; r++) {
+            const fxa_v32b kv = *(const fxa_v32bu *)(const void *)(k[r] + koff + (size_t)j * FX_I8_GROUP);
+            const fxa_v32b ka = __builtin_ia32_pabsb256(kv);
+            const fxa_v8 sc = fxa_splat(ks[r][soff + (size_t)j]);
+            for (t = 0; t < T; t++) {
+                const fxa_v32b qv = *(const fxa_v32bu *)(const void *)(qi + (size_t)t * hd + (size_t)j * FX_I8_GROUP);
+                const fxa_v16s p16 = __builtin_ia32_pmaddubsw256(ka, __builtin_ia32_psignb256(qv, kv));
+                const fxa_v8i p32 = __builtin_ia32_pmaddwd256(p16, ones);
+                acc[t * R + r] = fxa_fma(__builtin_convertvector(p32, fxa_v8), sc, acc[t * R + r]);
+            }
+        }
+    fxa_hsum8x8(acc, sum);
+    fxa_hsum4x8(acc + 8, sum + 8);
+    if (ng * FX_I8_GROUP < hd)
+        for (r = 0; r < R; r++) {
+            const int8_t *kr = (const int8_t *)(const void *)(k[r] + koff);
+            const float sc = ks[r][soff + (size_t)ng];
+            for (t = 0; t < T; t++) {
+                int32_t x = 0;
+                for (d = ng * FX_I8_GROUP; d < hd; d++) x += (int32_t)qi[(size_t)t * hd + d] * kr[d];
+                sum[t * R + r] += (float)x * sc;
+            }
+        }
+    for (t = 0; t < T; t++)
+        for (r = 0; r < R; r++) s[t * FX_CS + r] = sum[t * R + r] * qf[t];
+}
+#else
+#define FXA_HAVE_I8DOT 0
+#endif
+
+/* The query vectors an int8 cache reads (every level, every path, so that
+   the result does not depend on which one runs): each vector x of head_dim
+   raw values becomes qi = clamp(rint(x / sx), -127, 127), sx = max|x| /
+   127 in float32, and the kernel attends with qi * sx (qs, times the
+   scale's factor qscale; qf = sx * qscale for the integer tile).  A vector
+   holding a NaN or an inf gets NaN (qs and qf): its scores are NaN, as
+   inf times a finite K value or NaN makes them in SDPA.  All zero: zeros. */
+FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, int8_t *qi, float *qf)
+{
+    uint32_t amax = 0;
+    float sx;
+    int d;
+    for (d = 0; d < hd; d++) {
+        const uint32_t u = fx_f2u(x[d]) & 0x7fffffffu;
+        amax = u > amax ? u : amax;
+    }
+    if (amax == 0 || amax >= 0x7f800000u) {
+        const float fill = amax ? fx_u2f(0x7fc00000u) : 0.0f;
+        for (d = 0; d < hd; d++) {
+            qs[d] = fill;
+            qi[d] = 0;
+        }
+        *qf = fill;
+        return;
+    }
+    sx = fx_u2f(amax) / 127.0f;
+    for (d = 0; d < hd; d++) {
+        /* round to nearest even by 1.5 * 2^23 with v's sign (|v| < 2^22) */
+        const float v = x[d] / sx, big = fx_u2f(0x4b400000u | (fx_f2u(v) & 0x80000000u));
+        float rv = (v + big) - big;
+        rv = rv > 127.0f ? 127.0f : rv < -127.0f ? -127.0f : rv;
+        qi[d] = (int8_t)(int32_t)rv;
+        qs[d] = rv * sx * qscale;
+    }
+    *qf = sx * qscale;
+}
+
 /* Online-softmax step of one query vector over one chunk.  s: its scores
    (base 2) for the chunk's rows, of which only [a, b) are visible (and only
    those need be valid).  Leaves p = 2^((s - m_new) f) on [a, b) and 0
@@ -258,12 +358,14 @@ FX_INLINE void fxa_tile_rows(const float *fa, const float *fb, ptrdiff_t i0, int
    h-th of these heads is at value offset koff0 + h*head_dim of c->k[row]
    (int8 scales at c->ks[row] + soff0 + h*groups). */
 FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t koff0,
-                               size_t soff0, const fxa_rows *c, int r, int r1, const float *qs, float *sc,
-                               const float *fa, const float *fb, const int dt, const int W)
+                               size_t soff0, const fxa_rows *c, int r, int r1, const float *qs, const int8_t *qi,
+                               const float *qf, float *sc, const float *fa, const float *fb, const int dt,
+                               const int W, const int idot)
 {
     const int hd = a->head_dim;
     const size_t ng = fx_i8_groups(hd);
     int h;
+    (void)qi, (void)qf, (void)idot;
     for (h = 0; h < nh; h++) {
         const size_t koff = koff0 + (size_t)h * (size_t)hd, soff = soff0 + (size_t)h * ng;
         const ptrdiff_t iend = i1 + (h + 1) * nvg;
@@ -277,6 +379,15 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
             ub = ub < r1 ? ub : r1;
             for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
                 float *s = sc + (size_t)i0 * FX_CS + rr;
+#if FXA_HAVE_I8DOT
+                if (idot) {
+                    const int8_t *qt = qi + (size_t)i0 * hd;
+                    if (T == 4) fxa_qk_tile_i8(4, 3, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    else if (T == 2) fxa_qk_tile_i8(2, 6, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    else fxa_qk_tile_i8(1, 12, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    continue;
+                }
+#endif
                 if (T == 4) FXA_QK_TILE(W, 4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
                 else if (T == 2) FXA_QK_TILE(W, 2, 6, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
                 else FXA_QK_TILE(W, 1, 12, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
@@ -434,8 +545,9 @@ static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq
 /* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
    scaled queries, output accumulators, one chunk of scores, m, l, alpha and
    the visible row range of each vector; plus one chunk of one head's K
-   (transposed, FX_KT rows, and one row) and V when they are packed, and
-   one chunk's int8 scales as float. */
+   (transposed, FX_KT rows, and one row) and V when they are packed, one
+   chunk's int8 scales as float, and the quantised queries (int8 caches:
+   a factor per vector and head_dim bytes). */
 static inline FX_UNUSED size_t fxa_scratch_floats(const fx_attn_args *a)
 {
     ptrdiff_t nq;
@@ -446,7 +558,7 @@ static inline FX_UNUSED size_t fxa_scratch_floats(const fx_attn_args *a)
     nv = nvg * (size_t)nh;
     return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5) +
            (FX_PACKS(nvg) ? (size_t)(FX_KT + 1) * (size_t)a->head_dim + (size_t)FX_C * (size_t)a->v_head_dim : 0) +
-           FXA_SCALE_FLOATS(a);
+           FXA_SCALE_FLOATS(a) + nv + (nv * (size_t)a->head_dim + 3) / 4;
 }
 
 /* How a scale enters the kernel (see the rules at the top): q is
@@ -483,7 +595,7 @@ FX_INLINE float fxa_exp_scales(float scale, float *f)
        over the whole chunk for every tile of the head (the packed slices
        stay in L1 across the tiles that reuse them). */
 FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch,
-                               const int dt, const int W)
+                               const int dt, const int W, const int idot)
 {
     const int H = a->n_heads, Hkv = a->n_kv_heads, G = a->n_heads / a->n_kv_heads;
     const int hd = a->head_dim, dv = a->v_head_dim;
@@ -512,6 +624,8 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
             float *kt = fb + nv, *krow = kt + (size_t)FX_KT * hd, *vbuf = krow + hd;
             const int pack = FX_PACKS(nvg);
             float *sbuf = pack ? vbuf + (size_t)FX_C * dv : kt;
+            float *qf = sbuf + FXA_SCALE_FLOATS(a); /* int8: fxa_quantise_q */
+            int8_t *qi = (int8_t *)(void *)(qf + nv);
             ptrdiff_t lo, c0, i, pos;
             int h, jj, d;
 
@@ -521,7 +635,8 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                 for (pos = 0; pos < nq; pos++)
                     for (jj = 0; jj < G; jj++, i++) {
                         const float *src = q + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * hd;
-                        for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
+                        if (dt == FX_I8) fxa_quantise_q(src, hd, qscale, qs + (size_t)i * hd, qi + (size_t)i * hd, qf + i);
+                        else for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
                         mm[i] = FX_NEG_INF;
                         ll[i] = 0.0f;
                     }
@@ -551,7 +666,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                 if (!pack) {
                     for (r = 0; r < n; r += FX_ATTN_RGA)
                         fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
-                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, sc, fa, fb, dt, W);
+                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, qi, qf, sc, fa, fb, dt, W, idot);
                     for (i = 0; i < nv; i++)
                         fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
                     for (r = 0; r < n; r += FX_ATTN_RGC)
@@ -599,20 +714,22 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
 #define FXA_NOINLINE
 #endif
 
-/* FXA_ENTRY(TARGET, name, f16, W): the entry point `name` of one level
-   (TARGET: its target attribute, or nothing), with one function per dtype
-   at vector width W; f16: how it reads float16 (FXA_F16C or FX_F16). */
-#define FXA_INSTANCE(TARGET, name, dt, W)                                                              \
+/* FXA_ENTRY(TARGET, name, f16, idot, W): the entry point `name` of one
+   level (TARGET: its target attribute, or nothing), with one function per
+   dtype at vector width W; f16: how it reads float16 (FXA_F16C or FX_F16);
+   idot: 1 where int8 scores take the integer tile (FXA_HAVE_I8DOT, code
+   for x86-64-v3 and above), else 0. */
+#define FXA_INSTANCE(TARGET, name, dt, W, idot)                                                        \
     TARGET FXA_NOINLINE static void name(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, \
                                          float *scratch)                                               \
     {                                                                                                  \
-        fxa_attend_body(kv, a, q, out, scratch, dt, W);                                                \
+        fxa_attend_body(kv, a, q, out, scratch, dt, W, idot);                                          \
     }
-#define FXA_ENTRY(TARGET, name, f16, W)                                                                \
-    FXA_INSTANCE(TARGET, name##_f32, FX_F32, W)                                                        \
-    FXA_INSTANCE(TARGET, name##_f16, f16, W)                                                           \
-    FXA_INSTANCE(TARGET, name##_bf16, FX_BF16, W)                                                      \
-    FXA_INSTANCE(TARGET, name##_i8, FX_I8, W)                                                          \
+#define FXA_ENTRY(TARGET, name, f16, idot, W)                                                          \
+    FXA_INSTANCE(TARGET, name##_f32, FX_F32, W, 0)                                                     \
+    FXA_INSTANCE(TARGET, name##_f16, f16, W, 0)                                                        \
+    FXA_INSTANCE(TARGET, name##_bf16, FX_BF16, W, 0)                                                   \
+    FXA_INSTANCE(TARGET, name##_i8, FX_I8, W, idot)                                                    \
     FX_API void name(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch) \
     {                                                                                                  \
         switch (kv->dtype) {                                                                           \

@@ -5,7 +5,7 @@
 #include "_attn_kernel.h"
 
 #if FX_ATTN_CLONES && FXA_HAVE_W16
-FXA_ENTRY(__attribute__((target("arch=x86-64-v4"))), fxa_attend_v4, FXA_F16C, 16)
+FXA_ENTRY(__attribute__((target("arch=x86-64-v4"))), fxa_attend_v4, FXA_F16C, 1, 16)
 #else
 typedef int fxa_v4_not_built; /* ISO C: a translation unit declares something */
 #endif

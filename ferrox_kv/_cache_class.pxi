@@ -452,9 +452,12 @@ K and V rows of one sequence in one layer.
         ``get_num_threads()``): a decode by chunks of the context, then kv
         heads; a prefill by kv heads, then query blocks. A given count
         gives the same result on every run, and any count equals one
-        thread's result within float32 rounding. Bad shapes, an empty
-        cache, q_len beyond seq_len, ``window < 1``, a wrong ``out`` or
-        ``threads``: ``ValueError``, nothing changed.
+        thread's result within float32 rounding. An int8 cache reads each
+        query vector quantised to int8 (one scale per vector; on AVX2 CPUs
+        its scores are exact integer dot products with the stored K): that
+        costs about as much accuracy as K's own quantisation. Bad shapes,
+        an empty cache, q_len beyond seq_len, ``window < 1``, a wrong
+        ``out`` or ``threads``: ``ValueError``, nothing changed.
         """
         return _attend_call((self,), q, scale, window, out, start, False, threads)
 

@@ -40,6 +40,22 @@ def _st(x, dtype):
     return stored(x.reshape(t, h * d), dtype, d).reshape(t, h, d)
 
 
+def _q(q, dtype):
+    """The queries a cache of ``dtype`` attends with: int8 caches quantise
+    each query vector (one scale per vector of head_dim values, rint(x / s)
+    * s with s = max|x| / 127 in float32; all-zero or non-finite vectors as
+    they are), so that K is dotted in integers; other dtypes read q as is.
+    The cost of that against float queries is bounded in test_precision."""
+    if dtype != "int8":
+        return q
+    q = np.asarray(q, np.float32)
+    a = np.abs(q).max(-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        s = a / np.float32(127)
+        r = np.clip(np.rint(q / s), -127, 127) * s
+    return np.where(np.isfinite(a) & (a != 0), r, q).astype(np.float32)
+
+
 def reference(k, v, q, scale=None, window=None, start=0):
     """k (T, h, d), v (T, h, vd), q (q_len, n_heads, d) -> (q_len, n_heads, vd),
     float64: query t sits at position T - q_len + t."""
@@ -96,7 +112,7 @@ def test_decode_matches_the_reference_for_every_head_grouping(h, nh, kind, dtype
     q = np.random.default_rng(1).standard_normal((nh, d)).astype(np.float32)
     out = c.attend(q)
     assert out.shape == (nh, d) and out.dtype == np.float32
-    _check(out, reference(_st(k, dtype), _st(v, dtype), q[None])[0])
+    _check(out, reference(_st(k, dtype), _st(v, dtype), _q(q, dtype)[None])[0])
 
 
 @pytest.mark.parametrize("d,vd", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (64, 32)])
@@ -108,7 +124,7 @@ def test_head_sizes_and_a_v_head_dim_of_its_own(d, vd, dtype):
     q = np.random.default_rng(d).standard_normal((3, 8, d)).astype(np.float32)
     out = c.attend(q)
     assert out.shape == (3, 8, vd)
-    _check(out, reference(_st(k, dtype), _st(v, dtype), q))
+    _check(out, reference(_st(k, dtype), _st(v, dtype), _q(q, dtype)))
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16, 32])
@@ -120,7 +136,7 @@ def test_block_sizes_with_contexts_that_cross_block_boundaries(block_size, t, dt
     for i in range(t):                      # pushed one by one, as in decoding
         c.push(k[i], v[i])
     q = np.random.default_rng(t).standard_normal((min(t, 4), 4, 16)).astype(np.float32)
-    _check(c.attend(q), reference(_st(k, dtype), _st(v, dtype), q))
+    _check(c.attend(q), reference(_st(k, dtype), _st(v, dtype), _q(q, dtype)))
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 5, 17, 33, 64])
@@ -131,7 +147,7 @@ def test_causal_chunks_with_and_without_a_window(q_len, window, dtype):
     c = _cache("pooled", 2, 32, 32, 80, block_size=7, dtype=dtype)
     c.extend(k, v)
     q = np.random.default_rng(q_len).standard_normal((q_len, 8, 32)).astype(np.float32)
-    _check(c.attend(q, window=window), reference(_st(k, dtype), _st(v, dtype), q, window=window))
+    _check(c.attend(q, window=window), reference(_st(k, dtype), _st(v, dtype), _q(q, dtype), window=window))
 
 
 @each_dtype
@@ -143,15 +159,15 @@ def test_after_truncate_release_copy_and_fork_attention_sees_the_rows_kept(dtype
     c.extend(k, v)
     q = np.random.default_rng(3).standard_normal((2, 4, 16)).astype(np.float32)
     c.truncate(30)
-    _check(c.attend(q), reference(k[:30], v[:30], q))
+    _check(c.attend(q), reference(k[:30], v[:30], _q(q, dtype)))
     f = c.fork()
     f.extend(k[30:40] * 2, v[30:40])
-    _check(f.attend(q), reference(np.concatenate([k[:30], _st(k[30:40] * 2, dtype)]), v[:40], q))
-    _check(c.attend(q), reference(k[:30], v[:30], q))          # the parent is untouched
+    _check(f.attend(q), reference(np.concatenate([k[:30], _st(k[30:40] * 2, dtype)]), v[:40], _q(q, dtype)))
+    _check(c.attend(q), reference(k[:30], v[:30], _q(q, dtype)))          # the parent is untouched
     cp = c.copy()
-    _check(cp.attend(q), reference(k[:30], v[:30], q))
+    _check(cp.attend(q), reference(k[:30], v[:30], _q(q, dtype)))
     c.release_to_pool()
-    _check(c.attend(q), reference(k[:30], v[:30], q))
+    _check(c.attend(q), reference(k[:30], v[:30], _q(q, dtype)))
 
 
 def test_large_magnitude_scores_stay_finite_and_exact():
@@ -268,10 +284,10 @@ def test_attend_many_matches_attend_per_sequence_with_lengths_and_left_padding(d
     out = attend_many(caches, q, start=pads)
     assert out.shape == (3, 4, 8, 16)
     for i, (k, v) in enumerate(datas):
-        _check(out[i], reference(k, v, q[i], start=pads[i]))
+        _check(out[i], reference(k, v, _q(q[i], dtype), start=pads[i]))
     out_w = attend_many(caches, q, window=6)
     for i, (k, v) in enumerate(datas):
-        _check(out_w[i], reference(k, v, q[i], window=6))
+        _check(out_w[i], reference(k, v, _q(q[i], dtype), window=6))
 
 
 def test_a_query_that_sees_nothing_gets_zeros():
@@ -476,13 +492,13 @@ def test_both_vector_widths_match_the_reference(attend_width, h, nh, d, vd, t, q
     c = _cache("pooled-shuffled", h, d, vd, t, bs, dtype=dtype)
     c.extend(k, v)
     q = np.random.default_rng(t).standard_normal((q_len, nh, d)).astype(np.float32)
-    ref = reference(_st(k, dtype), _st(v, dtype), q, window=window)
+    ref = reference(_st(k, dtype), _st(v, dtype), _q(q, dtype), window=window)
     _check(c.attend(q, window=window), ref)
     other = _cache("growable", h, d, vd, t, dtype=dtype)
     other.extend(k[: t - 5], v[: t - 5])
     both = attend_many([c, other], np.stack([q[-1:], q[:1]]), window=window)
     _check(both[0, 0], ref[-1])
-    _check(both[1, 0], reference(_st(k[: t - 5], dtype), _st(v[: t - 5], dtype), q[:1], window=window)[0])
+    _check(both[1, 0], reference(_st(k[: t - 5], dtype), _st(v[: t - 5], dtype), _q(q[:1], dtype), window=window)[0])
 
 
 @settings(max_examples=60, deadline=None)
@@ -570,7 +586,7 @@ def test_int8_attend_reads_each_rows_scales_subnormal_and_non_finite_ones_too(h,
     c.extend(k, v)
     ks, vs = _st(k, "int8"), _st(v, "int8")
     assert 0 < np.abs(ks[:, 0, :32]).max() < 6.1e-5 * 127    # stored through subnormal scales
-    out, ref = c.attend(q), reference(ks, vs, q)
+    out, ref = c.attend(q), reference(ks, vs, _q(q, "int8"))
     _check(out, ref)
     tiny = slice(2 * (h // 2), 2 * (h // 2) + 2)
     np.testing.assert_allclose(out[:, tiny, 32:64], ref[:, tiny, 32:64], rtol=2e-5, atol=2e-5 * 1e-4)

@@ -21,6 +21,12 @@
  *        only matters for the large-magnitude cases; for the ordinary
  *        cases 2*ds < 0.4e-5).
  * Queries that see no row must be exactly 0.
+ *
+ * int8 caches read each query vector quantised (fxa_quantise_q, _attn_kernel.h:
+ * one scale per vector of head_dim values), so the reference attends with
+ * that vector: the test holds the kernel's arithmetic to the same bound, and
+ * the quantisation's cost against float queries is bounded apart
+ * (tests/test_precision.py).
  */
 #include <math.h>
 #include <stdio.h>
@@ -85,10 +91,27 @@ typedef struct {
     int bs;           /* 0: contiguous */
     int row_pad;      /* extra floats per row (contiguous only) */
     float qmag, kmag; /* q, k value ranges */
+    int signs;        /* q and K values +-qmag, +-kmag: int8 stores +-127 everywhere (integer sums at their largest) */
     float scale;      /* 0: 1/sqrt(hd) */
 } tcase;
 
 static const char *dt_name[] = {"f32", "f16", "bf16", "i8"};
+
+/* x (n values) as an int8 cache's kernel reads it: rint(x / s) * s, s =
+   max|x| / 127 in float32; all zero or non-finite: as is */
+static void quantise_like_the_kernel(float *x, int n)
+{
+    float amax = 0, s;
+    int d;
+    for (d = 0; d < n; d++) amax = fabsf(x[d]) > amax || isnan(x[d]) ? fabsf(x[d]) : amax;
+    if (amax == 0 || !isfinite(amax)) return;
+    s = amax / 127.0f;
+    for (d = 0; d < n; d++) {
+        float r = rintf(x[d] / s);
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        x[d] = r * s;
+    }
+}
 
 static int n_fail, n_run;
 /* 0: every case calls fx_attend; else fx_attend_batch on this many threads
@@ -108,7 +131,7 @@ static int run_case(const tcase *tc, const char *what)
            vb_row = fx_row_bytes(Hkv, dv, dt), nrows, nk, nv, nsc, nout, i, kfb, vfb;
     int nblocks = 0, pool_blocks = 0, *perm = NULL;
     int32_t *table = NULL;
-    float *k, *v, *q, *out, *sc;
+    float *k, *v, *q, *qref, *out, *sc;
     char *ks, *vs;
     double maxerr = 0, maxratio = 0, tol;
     int ok = 1;
@@ -141,10 +164,12 @@ static int run_case(const tcase *tc, const char *what)
     nv = nrows * v_row;
     k = alloc_f(nk, 0);
     v = alloc_f(nv, 0);
-    for (i = 0; i < nk; i++) k[i] = tc->exact ? (float)(rng_u64() % 3) * 0.5f : rng_uni() * tc->kmag;
+    for (i = 0; i < nk; i++)
+        k[i] = tc->exact ? (float)(rng_u64() % 3) * 0.5f : tc->signs ? (rng_u64() & 1 ? tc->kmag : -tc->kmag) : rng_uni() * tc->kmag;
     for (i = 0; i < nv; i++) v[i] = rng_uni();
     q = alloc_f((size_t)ql * H * hd, 0);
-    for (i = 0; i < (size_t)ql * H * hd; i++) q[i] = tc->exact ? 1.0f : rng_uni() * tc->qmag;
+    for (i = 0; i < (size_t)ql * H * hd; i++)
+        q[i] = tc->exact ? 1.0f : tc->signs ? (rng_u64() & 1 ? tc->qmag : -tc->qmag) : rng_uni() * tc->qmag;
     if (tc->inj != INJ_NONE && tc->inj != INJ_Q) {
         /* logical row inj_row (or every row) of the sequence, kv head 0, dim 0 */
         ptrdiff_t r;
@@ -157,6 +182,10 @@ static int run_case(const tcase *tc, const char *what)
         }
     }
     if (tc->inj == INJ_Q) q[(size_t)(ql - 1) * H * hd] = tc->inj_val;
+    qref = alloc_f((size_t)ql * H * hd, 0);
+    memcpy(qref, q, (size_t)ql * H * hd * sizeof(float));
+    if (dt == FX_I8)
+        for (i = 0; i < (size_t)ql * H; i++) quantise_like_the_kernel(qref + i * hd, hd);
     ks = malloc(nrows * kb_row);
     vs = malloc(nrows * vb_row);
     fx_rows_from_f32(ks, kb_row, k, k_row, (ptrdiff_t)nrows, Hkv, hd, dt);
@@ -202,7 +231,7 @@ static int run_case(const tcase *tc, const char *what)
             if (tc->window > 0 && p - tc->window + 1 > lo) lo = p - tc->window + 1;
             for (j = 0; j < H && ok; j++) {
                 const int g = j / G;
-                const float *qq = q + ((size_t)t * H + j) * hd;
+                const float *qq = qref + ((size_t)t * H + j) * hd;
                 const float *o = out + ((size_t)t * H + j) * dv;
                 double m = -INFINITY, l = 0, A = 0, sabs = 0;
                 if (lo > p) { /* sees nothing: exact zeros */
@@ -271,7 +300,7 @@ static int run_case(const tcase *tc, const char *what)
     if (maxratio > worst_ratio) worst_ratio = maxratio;
     n_run++;
     if (!ok) n_fail++;
-    free(k); free(v); free(ks); free(vs); free(q); free(out); free(sc); free(table); free(perm);
+    free(k); free(v); free(ks); free(vs); free(q); free(qref); free(out); free(sc); free(table); free(perm);
     return ok;
 }
 
@@ -458,6 +487,16 @@ int main(void)
     tc.q_len = 4; tc.start = 305; /* nothing visible at all */
     tc.inj = INJ_Q; tc.inj_val = NAN; /* a NaN query that sees nothing still gets zeros */
     run_case(&tc, "start past the end: all zeros");
+
+    /* every value +-1 (int8: +-127 stored and quantised, the integer dot's
+       largest pair sums), a head dim with a short last group too */
+    memset(&tc, 0, sizeof tc);
+    tc.dt = dt;
+    tc.H = 8; tc.Hkv = 2; tc.hd = 128; tc.dv = 64; tc.qmag = 1; tc.kmag = 1; tc.signs = 1; tc.bs = 16;
+    tc.len = 90; tc.q_len = 1; tc.scale = 0.05f;
+    run_case(&tc, "every value +-1, decode");
+    tc.hd = 80; tc.q_len = 3;
+    run_case(&tc, "every value +-1, head dim 80, 3 queries");
 
     /* large-magnitude scores: |q.k| ~ 1e4 (and 1e6 with scale 1) */
     for (bi = 0; bi < sizeof bss / sizeof bss[0]; bi++) {
