@@ -159,20 +159,19 @@ def run(args) -> int:
         import uvicorn
 
         from ferrox_kv.serve.app import make_app
-        from ferrox_kv.serve.engine import Engine
+        from ferrox_kv.serve.engine import Engine, check_options
         from ferrox_kv.serve.metrics import Metrics
     except ImportError as e:
         print(f"ferrox-kv serve needs FastAPI, uvicorn and prometheus_client: "
               f"pip install '.[serve]' from the ferrox_kv checkout ({e})",
               file=sys.stderr)
         return 2
-    for name in ("max_batch", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            print(f"ferrox-kv serve: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if args.threads_cache != "ferrox" and args.mode != "threads":
-        print(f"ferrox-kv serve: --threads-cache {args.threads_cache} is the threads mode's "
-              "baseline; pass --mode threads with it", file=sys.stderr)
+    try:
+        check_options(mode=args.mode, max_batch=args.max_batch, max_queue=args.max_queue,
+                      queue_timeout=args.queue_timeout, prefill_chunk=args.prefill_chunk,
+                      threads_cache=args.threads_cache, cli=True)
+    except ValueError as e:
+        print(f"ferrox-kv serve: {e}", file=sys.stderr)
         return 2
     sock = bind(args.host, args.port)          # before the model: a busy port says so at once
     model, tokenizer, pool = load(args)
