@@ -43,6 +43,7 @@ loop.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import threading
 import time
@@ -115,7 +116,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, pool: KvBlockPool, *, mode="batch", max_batch=16,
                  max_queue=64, queue_timeout=30.0, prefill_chunk=256, threads_cache="ferrox",
-                 metrics=None):
+                 metrics=None, fetch=None, fetch_threads=4):
         check_options(mode=mode, max_batch=max_batch, max_queue=max_queue,
                       queue_timeout=queue_timeout, prefill_chunk=prefill_chunk,
                       threads_cache=threads_cache)
@@ -148,6 +149,13 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._draining = False
         self._stopping = False
+        # fetch(prompt_ids, salt): a read-through before admission (the Redis
+        # store), run in a fetcher thread of the request's own; the request
+        # joins the queue once it returns, so that no step waits for it
+        self._fetch = fetch
+        self._fetching = 0
+        self._fetchers = (concurrent.futures.ThreadPoolExecutor(
+            fetch_threads, thread_name_prefix="ferrox-serve-fetch") if fetch is not None else None)
         self._step_ema = None                   # seconds per decode step (per token in threads)
         self._loop = None
 
@@ -206,12 +214,31 @@ class Engine:
             if self._draining or self._stopping:
                 raise Overloaded("the server is shutting down; retry on another instance",
                                  self.retry_after(request), "shutting_down")
-            if len(self._queue) >= self.max_queue and not self._can_start_now(request):
+            if (len(self._queue) + self._fetching >= self.max_queue
+                    and not self._can_start_now(request)):
                 raise Overloaded(
                     f"the queue is full ({self.max_queue} requests wait for KV blocks); "
                     "retry after the time in Retry-After", self.retry_after(request), "queue_full")
+            if self._fetchers is not None and self.threads_cache == "ferrox":
+                self._fetching += 1
+                self._fetchers.submit(self._fetch_main, request)
+                return
             self._queue.append(request)
             self._cv.notify_all()
+
+    def _fetch_main(self, request):
+        """In a fetcher thread: the request's read-through, then the queue
+        (a fault is a miss: the request is queued all the same)."""
+        try:
+            if not request.cancelled and self.pool.prefix_cache:
+                self._fetch(request.prompt_ids, request.tenant)
+        except Exception:                # noqa: BLE001  (a miss; the store counts it)
+            pass
+        finally:
+            with self._cv:
+                self._fetching -= 1
+                self._queue.append(request)     # _expire_queue refuses it if draining
+                self._cv.notify_all()
 
     def _can_start_now(self, request):
         return (not self._queue and len(self._running) < self.max_batch
@@ -253,7 +280,7 @@ class Engine:
             self._draining = True
             self._cv.notify_all()
             end = time.monotonic() + deadline
-            while self._running or self._queue:
+            while self._running or self._queue or self._fetching:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -267,6 +294,8 @@ class Engine:
             for r in list(self._queue) + list(self._running):
                 r.cancel()
             self._cv.notify_all()
+        if self._fetchers is not None:
+            self._fetchers.shutdown(wait=True)       # each fetch is bounded by the store
         if self._loop is not None:
             self._loop.join(timeout=30)
         for t in list(self._threads):
