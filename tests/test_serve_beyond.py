@@ -10,8 +10,14 @@ import os
 import re
 
 import pytest
-
-from conftest import STORE_DIM, STORE_FP, STORE_HEADS, RedisServer, publish_seq, require_redis
+from conftest import (
+    STORE_DIM,
+    STORE_FP,
+    STORE_HEADS,
+    RedisServer,
+    publish_seq,
+    require_redis,
+)
 
 redis = require_redis()
 
@@ -22,7 +28,6 @@ for _m in ("torch", "transformers", "fastapi", "uvicorn", "httpx", "prometheus_c
         pytest.importorskip(_m)
 
 import httpx  # noqa: E402
-
 import serve_support as S  # noqa: E402
 
 from ferrox_kv import KvBlockPool  # noqa: E402
@@ -245,3 +250,78 @@ def test_two_replicas_share_prefixes_through_a_redis_cluster(cluster, model_dir,
     finally:
         for s in servers:
             stop_clean(s)
+
+
+def test_a_request_waiting_for_its_read_through_waits_alone(model_dir):
+    """The engine runs the read-through (Redis) in a fetcher thread of the
+    request's own: while one request's fetch hangs, another is admitted,
+    runs and finishes; the first runs once its fetch returns."""
+    import threading
+
+    import transformers
+
+    import ferrox_kv.hf  # noqa: F401
+    from ferrox_kv.serve.engine import Engine, Request, Sampling
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                              attn_implementation="ferrox")
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    release, fetched = threading.Event(), []
+
+    def fetch(ids, salt):
+        fetched.append(salt)
+        if salt == "slow":
+            assert release.wait(60)
+
+    pool = KvBlockPool(BLOCK, 256, STORE_HEADS, STORE_DIM, prefix_cache=True)
+    engine = Engine(model, tok, pool, fetch=fetch)
+    engine.start()
+    done = {name: threading.Event() for name in ("slow", "fast")}
+    reqs = {name: Request([5, 6, 7], 4, Sampling(0), tenant=name,
+                          emit=lambda kind, p, name=name: kind == "done" and done[name].set())
+            for name in done}
+    try:
+        engine.submit(reqs["slow"])
+        engine.submit(reqs["fast"])
+        assert done["fast"].wait(60)
+        assert not done["slow"].is_set() and reqs["slow"].caches is None   # not admitted
+        assert engine.stats() == {"running": 0, "waiting": 1}         # in its fetch
+        release.set()
+        assert done["slow"].wait(60)
+        assert reqs["slow"].finish_reason == reqs["fast"].finish_reason == "length"
+        assert sorted(fetched) == ["fast", "slow"]
+    finally:
+        release.set()
+        engine.close()
+    assert pool.stats()["used_blocks"] == 0
+    pool.check()
+
+
+def test_the_load_test_of_replicas_and_restart_runs_end_to_end(tmp_path, model_dir):
+    """benchmarks/serve_load.py --replicas 2 --redis --restart, small
+    settings on the tiny model: every row and its table; no figure is
+    checked, only what the rows must hold whatever the machine."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--model-dir", model_dir, "--replicas", "2", "--redis",
+         "--restart", "--system-tokens", "64", "--beyond-clients", "4", "--requests", "1",
+         "--max-tokens", "3", "--kv-blocks", "1024", "--json", str(tmp_path / "rows.json")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rep, res = json.loads((tmp_path / "rows.json").read_text())
+    assert rep["status_b"] == 200 and rep["cached_tokens_b"] >= 64 - BLOCK
+    for phase in rep["phases"]:
+        assert set(phase["statuses"]) <= {"200", "503+RA"}, phase
+    phases = {p["phase"]: p for p in rep["phases"]}
+    assert phases["redis stopped"]["redis_errors"] > 0
+    assert phases["redis back"]["redis_hits"] > 0
+    assert res["statuses"] == [200, 200] and res["cached_tokens_after"] > 0
+    assert all(e["clean"] for r in (rep, res) for e in r["exits"]), (rep, res)
+    for what in ("replica B's first request", "after a restart", "Redis stopped",
+                 "cost on a miss", "blocks lost"):
+        assert what in out.stdout, what

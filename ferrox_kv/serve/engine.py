@@ -37,6 +37,13 @@ token as ``generate`` does; its reservation is held as the admission ticket
 only, so admission, the queue and the 503s are the same, and the prefix
 cache is neither read nor published.
 
+Read-through (``fetch=``, the Redis store: ``serve.prefixes``). A request
+is first handed to one of ``fetch_threads`` fetcher threads, which reads
+the blocks of its prompt that the pool lacks into the pool, then queues it:
+the step loop never waits for the store, and a request whose fetch is slow
+waits alone (counted as waiting, and against ``max_queue``); each fetch is
+bounded by the store's timeout.
+
 The server never calls ``fork()``: one process, these threads, uvicorn's event
 loop.
 """
@@ -106,8 +113,10 @@ class Engine:
 
     ``Engine(model, tokenizer, pool, *, mode="batch", max_batch=16,
     max_queue=64, queue_timeout=30.0, prefill_chunk=256,
-    threads_cache="ferrox")`` (``threads_cache``: ``"ferrox"`` or
-    ``"dynamic"``, threads mode only). ``start()``
+    threads_cache="ferrox", metrics=None, fetch=None, fetch_threads=4)``
+    (``threads_cache``: ``"ferrox"`` or ``"dynamic"``, threads mode only;
+    ``fetch(prompt_ids, salt)``: a read-through run before a request is
+    queued, in one of ``fetch_threads`` threads). ``start()``
     launches the scheduler thread; ``submit(request)`` queues a request (or
     raises ``Overloaded`` / ``NeverFits``); ``drain(deadline)`` stops
     admitting and waits for the running requests; ``close()`` cancels what is
@@ -172,8 +181,9 @@ class Engine:
         return min(by_pool, self.context) if self.context else by_pool
 
     def stats(self):
+        """``running``: admitted; ``waiting``: queued, or in their read-through."""
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._queue)}
+            return {"running": len(self._running), "waiting": len(self._queue) + self._fetching}
 
     def health(self):
         """``/health``'s figures in one snapshot: the engine takes and gives
@@ -183,7 +193,7 @@ class Engine:
         with self._cv:
             s = self.pool.stats()
             return {"status": "draining" if self._draining else "ok",
-                    "running": len(self._running), "waiting": len(self._queue),
+                    "running": len(self._running), "waiting": len(self._queue) + self._fetching,
                     "free_blocks": s["free_blocks"], "used_blocks": s["used_blocks"],
                     "cached_blocks": s["cached_blocks"], "total_blocks": s["total_blocks"]}
 

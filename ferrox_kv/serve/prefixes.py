@@ -16,11 +16,11 @@ pool. No Redis I/O ever runs on the engine's step loop:
   them for a writer thread;
 * a lookup at admission (on the engine's thread) reads nothing from Redis
   (``get_chain`` answers no entry there);
-* the read-through runs before admission, in a fetcher thread of the
-  request's own (``fetch``): the blocks of its prompt past the pool's local
+* the read-through runs before admission, in one of the engine's fetcher
+  threads (``fetch``): the blocks of its prompt past the pool's local
   prefix are read from Redis, verified and published into the pool, and
   only then does the request join the engine's queue, where admission finds
-  them locally. A request waiting for Redis thus waits alone, in its
+  them locally. A request waiting for Redis thus waits alone, in a
   fetcher thread, while the step loop runs the others.
 
 Redis down, slow (each call is bounded by the store's ``timeout``) or wrong
