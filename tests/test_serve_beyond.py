@@ -325,3 +325,18 @@ def test_the_load_test_of_replicas_and_restart_runs_end_to_end(tmp_path, model_d
     for what in ("replica B's first request", "after a restart", "Redis stopped",
                  "cost on a miss", "blocks lost"):
         assert what in out.stdout, what
+
+
+def test_a_given_model_fingerprint_names_the_model_instead_of_its_hash(tmp_path, model_dir):
+    """--model-fingerprint ID: the file saved for ID loads (here one written
+    by the library under that identity, of the same geometry and dtype)."""
+    path = tmp_path / "named.fxkv"
+    pool = KvBlockPool(BLOCK, 64, STORE_HEADS, STORE_DIM, prefix_cache=True)
+    publish_seq(pool, list(range(3, 3 + 4 * BLOCK)))
+    saved = pool.save_prefixes(path, fingerprint=STORE_FP)
+    srv = S.Server(model_dir, str(tmp_path), "--prefix-file", path,
+                   "--model-fingerprint", STORE_FP)
+    try:
+        assert metric(srv, "ferrox:prefix_entries_loaded_total") == saved["entries"] > 0
+    finally:
+        stop_clean(srv)

@@ -82,6 +82,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "requests drain")
     ap.add_argument("--prefix-save-interval", type=float, default=None, metavar="S",
                     help="with --prefix-file: also save every S seconds")
+    ap.add_argument("--model-fingerprint", default=None, metavar="ID",
+                    help="the model's identity for --prefix-file and --redis (any text: a "
+                         "checkpoint's commit hash, say); default: ferrox_kv.hf.fingerprint, "
+                         "a hash of the config and every weight at start (a second or two per "
+                         "GB of weights). Give the same ID only to the same weights")
     ap.add_argument("--redis", default=None, metavar="URL",
                     help="share prefixes through Redis: redis://HOST:PORT/DB (one server) or "
                          "redis+cluster://HOST:PORT (a Redis Cluster, through any node); "
@@ -157,13 +162,15 @@ def model_dtype(model) -> str:
 def prefixes(args, model, pool, metrics):
     """(PrefixFile or None, RedisPrefixes or None) for ``--prefix-file`` and
     ``--redis``; the file is loaded here, before any request. The model's
-    fingerprint (a hash of its config and every weight) is computed once,
-    only when one of them is asked for."""
+    fingerprint (a hash of its config and every weight, or
+    ``--model-fingerprint``) is computed once, only when one of them is
+    asked for."""
     if args.prefix_file is None and args.redis is None:
         return None, None
     from ferrox_kv.hf import fingerprint, kv_geometry
     from ferrox_kv.serve.prefixes import PrefixFile, RedisPrefixes
-    fp = fingerprint(model)
+    fp = (args.model_fingerprint.encode() if args.model_fingerprint is not None
+          else fingerprint(model))
     n_layers = kv_geometry(model.config)[0]
     files = redis = None
     if args.prefix_file is not None:
