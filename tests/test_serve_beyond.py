@@ -340,3 +340,56 @@ def test_a_given_model_fingerprint_names_the_model_instead_of_its_hash(tmp_path,
         assert metric(srv, "ferrox:prefix_entries_loaded_total") == saved["entries"] > 0
     finally:
         stop_clean(srv)
+
+
+def test_the_save_interval_saves_while_serving(tmp_path, model_dir):
+    path = tmp_path / "prefixes.fxkv"
+    srv = S.Server(model_dir, str(tmp_path), "--prefix-file", path,
+                   "--prefix-save-interval", "0.2")
+    try:
+        complete(srv)
+        wait_metric(srv, "ferrox:prefix_entries_saved_total", 1)
+        assert path.exists()
+    finally:
+        stop_clean(srv)
+
+
+def test_a_second_signal_exits_at_once_without_saving(tmp_path, model_dir):
+    """SIGTERM while a long request runs starts the drain; a second one
+    exits at once: the prefix file is not written."""
+    import signal
+    import threading
+    import time
+
+    path = tmp_path / "prefixes.fxkv"
+    srv = S.Server(model_dir, str(tmp_path), "--prefix-file", path)
+    first, status = threading.Event(), []
+
+    def long_request():                           # greedy: 600 tokens, no end of sequence
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                              json={"prompt": PROMPT, "max_tokens": 600, "temperature": 0,
+                                    "stream": True}) as r:
+                status.append(r.status_code)
+                for _ in r.iter_lines():
+                    first.set()
+        except httpx.HTTPError:
+            pass                                  # the server went away: expected
+        first.set()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    try:
+        assert first.wait(60) and status == [200]
+        srv.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 30                     # until the first signal is handled
+        while srv.health()["status"] != "draining" and time.monotonic() < end:
+            time.sleep(0.01)
+        assert srv.health()["status"] == "draining"
+        assert t.is_alive()                             # the long request still runs
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(60)
+    finally:
+        srv.stop()
+        t.join(60)
+    assert not path.exists() and "saved" not in srv.log(), srv.log()
