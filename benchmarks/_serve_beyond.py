@@ -1,7 +1,7 @@
 """The rows of ``serve_load.py`` beyond one process (issue 25).
 
 ``--replicas 2 --redis``: a real redis-server on loopback (the suite's
-``RedisServer``, tests/conftest.py) and two servers sharing it
+``support.redis_server``) and two servers sharing it
 (``--redis``). Replica A serves a request whose prompt starts with a shared
 system prompt (``--system-tokens``) under one tenant; once its prefix is
 written through, replica B's first request (the same system prompt, another
@@ -34,9 +34,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def redis_server(folder):
     """A redis-server on a free loopback port, started by the test suite's
-    manager (``RedisServer`` of tests/conftest.py), reused here."""
+    manager (tests/support/redis_server.py), reused here."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from conftest import RedisServer
+    from support.redis_server import RedisServer
     return RedisServer(folder).start()
 
 

@@ -1,8 +1,8 @@
 """``ferrox-kv serve`` beyond one process: the checkpoint's dtype by default,
 prefixes that survive a restart (``--prefix-file``), and replicas that share
 them through Redis (``--redis``). Real server processes and real
-redis-servers on free loopback ports (tests/serve_support.py and the
-``RedisServer`` of conftest.py start them)."""
+redis-servers on free loopback ports (``support.serve`` and
+``support.redis_server`` start them)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -10,14 +10,9 @@ import os
 import re
 
 import pytest
-from conftest import (
-    STORE_DIM,
-    STORE_FP,
-    STORE_HEADS,
-    RedisServer,
-    publish_seq,
-    require_redis,
-)
+
+from support.pools import STORE_DIM, STORE_FP, STORE_HEADS, publish_seq
+from support.redis_server import RedisServer, require_redis
 
 redis = require_redis()
 
@@ -28,7 +23,7 @@ for _m in ("torch", "transformers", "fastapi", "uvicorn", "httpx", "prometheus_c
         pytest.importorskip(_m)
 
 import httpx  # noqa: E402
-import serve_support as S  # noqa: E402
+from support import serve as S  # noqa: E402
 
 from ferrox_kv import KvBlockPool  # noqa: E402
 
@@ -39,7 +34,7 @@ PROMPT = S.SYSTEM * 3 + "Question: what does a pool of blocks hold?"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # the store tests' geometry (2 KV heads of 32), so that conftest's
+    # the store tests' geometry (2 KV heads of 32), so that support.pools'
     # publish_seq can write a prefix file of another model for it
     return S.make_model_dir(tmp_path_factory.mktemp("model") / "tiny", hidden=128, heads=4,
                             kv_heads=STORE_HEADS, head_dim=STORE_DIM)

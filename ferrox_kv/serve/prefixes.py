@@ -36,15 +36,7 @@ import time
 
 import numpy as np
 
-from ferrox_kv.store import (
-    RedisPrefixStore,
-    StoreFormatError,
-    load_prefixes,
-    save_prefixes,
-)
-
-# the store's read path before a lookup (what an attached store's lookup hook does)
-from ferrox_kv.store._pool import read_through
+from ferrox_kv.store import RedisPrefixStore, StoreFormatError, load_prefixes, save_prefixes
 
 __all__ = ["PrefixFile", "RedisPrefixes", "redis_client"]
 
@@ -123,45 +115,60 @@ def redis_client(url, timeout):
                                  retry=Retry(NoBackoff(), 0))
 
 
-class RedisPrefixes:
-    """The pool's attached store (``pool.attach(self)``): see the module
-    docstring. ``RedisPrefixes(pool, url, *, fingerprint, n_layers,
-    namespace, timeout)``; ``fetch(prompt_ids, salt)`` from a fetcher
-    thread; ``close()`` writes what is queued and stops the writer."""
+class _ServerStore(RedisPrefixStore):
+    """A ``RedisPrefixStore`` whose Redis I/O never runs on the engine's
+    thread. The pool's hooks (``after_publish``, ``before_lookup``) are the
+    store's own; underneath them, ``put_chain`` queues the entries (copies of
+    the rows) for the writer thread, and ``get_chain`` reads Redis only in a
+    thread that asked for it (``fetching``): elsewhere it answers no entry."""
 
-    def __init__(self, pool, url, *, fingerprint, n_layers, namespace="ferrox", timeout=0.5):
-        self.store = RedisPrefixStore(redis_client(url, timeout), namespace=namespace,
-                                      fingerprint=fingerprint, timeout=timeout)
-        self.pool, self.n_layers = pool, n_layers
-        self._local = threading.local()
-        self._writes: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self.hit_tokens = 0
-        self.miss_tokens = 0
-        self.on_fetch = None                     # on_fetch(seconds): the metrics' histogram
-        self._writer = threading.Thread(target=self._write_loop, name="ferrox-serve-redis-write",
-                                        daemon=True)
-        self._writer.start()
-        pool.attach(self)
-
-    # -- the store interface the pool calls -----------------------------------
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.local = threading.local()
+        self.writes: queue.Queue = queue.Queue()
 
     def get_chain(self, geometry, tokens, *, salt=None, start=0, limit=None):
-        calls = getattr(self._local, "calls", None)
+        calls = getattr(self.local, "calls", None)
         if calls is None:
             return []                 # a lookup on the engine's thread: never waits for Redis
-        got = self.store.get_chain(geometry, tokens, salt=salt, start=start, limit=limit)
+        got = super().get_chain(geometry, tokens, salt=salt, start=start, limit=limit)
         calls.append((start, limit, len(got)))
         return got
 
     def put_chain(self, geometry, entries):
-        self._writes.put((geometry, list(entries)))
+        self.writes.put((geometry, list(entries)))
         return len(entries)
+
+    def write_queued(self):
+        """The writer thread: each queued chain to Redis, until None."""
+        while (item := self.writes.get()) is not None:
+            try:
+                super().put_chain(*item)
+            except Exception:              # noqa: BLE001  (counted by the store; never fatal)
+                pass
+
+
+class RedisPrefixes:
+    """``--redis URL`` of ``pool``: attaches a ``_ServerStore`` (see the
+    module docstring). ``RedisPrefixes(pool, url, *, fingerprint, n_layers,
+    namespace, timeout)``; ``fetch(prompt_ids, salt)`` from a fetcher
+    thread; ``close()`` writes what is queued, stops the writer, detaches."""
+
+    def __init__(self, pool, url, *, fingerprint, n_layers, namespace="ferrox", timeout=0.5):
+        self.store = _ServerStore(redis_client(url, timeout), namespace=namespace,
+                                  fingerprint=fingerprint, timeout=timeout)
+        self.pool, self.n_layers = pool, n_layers
+        self._lock = threading.Lock()
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.on_fetch = None                     # on_fetch(seconds): the metrics' histogram
+        self._writer = threading.Thread(target=self.store.write_queued,
+                                        name="ferrox-serve-redis-write", daemon=True)
+        self._writer.start()
+        pool.attach(self.store)
 
     def stats(self):
         return self.store.stats()
-
-    # -- the server's side ------------------------------------------------------
 
     def fetch(self, prompt_ids, salt) -> int:
         """Read the blocks of ``prompt_ids`` past the pool's local prefix
@@ -173,14 +180,14 @@ class RedisPrefixes:
         if whole == 0:
             return 0
         tokens = np.asarray(prompt_ids[:whole], dtype=np.int64)
-        self._local.calls = calls = []
+        self.store.local.calls = calls = []
         t0 = time.perf_counter()
         try:
-            added = read_through(self.pool, tokens, salt, self.n_layers)
+            added = self.store.before_lookup(self.pool, tokens, salt, self.n_layers)
         except Exception:                  # noqa: BLE001  (a fault of the store is a miss)
             added = 0
         finally:
-            self._local.calls = None
+            self.store.local.calls = None
         if not calls:                      # all local: Redis was not asked
             return 0
         asked = calls[0][1] if calls[0][1] is not None else whole // bs - calls[0][0]
@@ -192,19 +199,9 @@ class RedisPrefixes:
             self.on_fetch(time.perf_counter() - t0)
         return hit * bs
 
-    def _write_loop(self):
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            try:
-                self.store.put_chain(*item)
-            except Exception:              # noqa: BLE001  (counted by the store; never fatal)
-                pass
-
     def close(self):
         """Write what is queued, stop the writer, detach, close the client."""
-        self._writes.put(None)
+        self.store.writes.put(None)
         self._writer.join(timeout=60)
         self.pool.attach(None)
         self.store.close()
