@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-import ferrox_kv.hf as fhf
+import ferrox_kv.hf.attention as fhf
 from ferrox_kv import KvBlockPool
 from ferrox_kv.bench import llama
 from ferrox_kv.hf import ATTENTION, FerroxCache

@@ -26,6 +26,12 @@ Rows:
 * ``--generate-batch``: transformers' own continuous batching
   (``model.generate_batch``) on the 16-client row's requests, in process.
 
+``--replicas 2 --redis`` and ``--restart`` run the rows of issue 25 instead
+(prefixes shared by two replicas through Redis, and kept across a restart
+by ``--prefix-file``; benchmarks/_serve_beyond.py says what each measures):
+
+    python benchmarks/serve_load.py --replicas 2 --redis --restart --json beyond.json
+
 Then the per-N table, the issue's table, and with ``--plot FILE.png``
 tokens/s and p99 latency against N per mode. The issue's table comes from
 
@@ -101,35 +107,36 @@ def prompts(n, rng, system):
             for _ in range(n)]
 
 
-async def one(client, url, prompt, max_tokens, drop_after=None, timeout=120.0):
-    """(status, retry_after, ttft, latency, tokens)."""
+async def one(client, url, prompt, max_tokens, drop_after=None, timeout=120.0, headers=None):
+    """(status, retry_after, ttft, latency, tokens, cached_tokens)."""
     t0 = time.perf_counter()
-    ttft, n = None, 0
+    ttft, n, cached = None, 0, None
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     try:
         async with client.stream("POST", url + "/v1/completions", json=body,
-                                 timeout=timeout) as r:
+                                 timeout=timeout, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
-                return r.status_code, r.headers.get("retry-after"), None, None, 0
+                return r.status_code, r.headers.get("retry-after"), None, None, 0, None
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 d = json.loads(line[6:])
                 if d.get("usage"):
                     n = d["usage"]["completion_tokens"]
+                    cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 elif ttft is None:
                     ttft = time.perf_counter() - t0
                 if drop_after is not None:
                     drop_after -= 1
                     if drop_after <= 0:
-                        return "dropped", None, None, None, 0
+                        return "dropped", None, None, None, 0, None
     except httpx.TimeoutException:
-        return "timeout", None, None, None, 0
+        return "timeout", None, None, None, 0, None
     except httpx.HTTPError as e:            # reset, read error, protocol error: counted
-        return f"error:{type(e).__name__}", None, None, None, 0
-    return 200, None, ttft, time.perf_counter() - t0, n
+        return f"error:{type(e).__name__}", None, None, None, 0, None
+    return 200, None, ttft, time.perf_counter() - t0, n, cached
 
 
 def pct(xs, q):
@@ -465,7 +472,21 @@ def main(argv=None):
     ap.add_argument("--model-dir", default=None, help="default: the bench model, made in /tmp")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    beyond = ap.add_argument_group("beyond one process (issue 25; these rows only)")
+    beyond.add_argument("--replicas", type=int, choices=(2,), default=None,
+                        help="with --redis: two replicas sharing one redis-server")
+    beyond.add_argument("--redis", action="store_true",
+                        help="with --replicas 2: a real redis-server on loopback")
+    beyond.add_argument("--restart", action="store_true",
+                        help="a server with --prefix-file, stopped and started again")
+    beyond.add_argument("--system-tokens", type=int, default=1024,
+                        help="the shared system prompt's tokens (1024)")
+    beyond.add_argument("--beyond-clients", type=int, default=16,
+                        help="clients alternating between the replicas, Redis up, stopped, "
+                             "back (16)")
     args = ap.parse_args(argv)
+    if (args.replicas is None) != (not args.redis):
+        ap.error("--replicas 2 and --redis go together")
     from ferrox_kv.serve.tiny import BENCH, SYSTEM, make_model_dir
 
     model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "ferrox-serve-bench-model")
@@ -474,9 +495,29 @@ def main(argv=None):
     system = SYSTEM * 2
     modes = [MODE_NAMES[m] for m in args.modes]
     try:
+        if args.redis or args.restart:
+            return _beyond(args, model_dir)
         return _main(args, model_dir, system, modes)
     finally:
         stop_all()
+
+
+def _beyond(args, model_dir):
+    """The rows of issue 25 (benchmarks/_serve_beyond.py)."""
+    import _serve_beyond as beyond
+    b = beyond.Beyond(args, model_dir, start, stop, one)
+    rows = []
+    if args.redis:
+        rows.append(b.replicas())
+        print(json.dumps(rows[-1]), flush=True)
+    if args.restart:
+        rows.append(b.restart())
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n" + "\n".join(beyond.table(rows)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
 
 
 def _main(args, model_dir, system, modes):

@@ -442,7 +442,7 @@ def ferrox_llama():
 
 
 def _counting_attend(monkeypatch):
-    import ferrox_kv.hf as fhf
+    import ferrox_kv.hf.attention as fhf
     calls = []
     real = fhf.attend_many
 
@@ -458,7 +458,7 @@ def _counting_attend(monkeypatch):
 @pytest.mark.parametrize("prompt_len", [12, 40])      # a short prefill attends, a long one uses SDPA
 def test_ferrox_attention_reads_the_pool_in_place_and_never_gathers(ferrox_llama, monkeypatch,
                                                                      prompt_len):
-    import ferrox_kv.hf as fhf
+    import ferrox_kv.hf.attention as fhf
     monkeypatch.setattr(fhf, "SDPA_PREFILL_MIN", 32)
     ids = _prompt(prompt_len, seed=30)
     ref = _reference(ferrox_llama, ids, max_new_tokens=20)
@@ -514,7 +514,7 @@ def test_the_ferrox_attention_falls_back_to_sdpa_without_a_ferrox_cache(ferrox_l
 
 
 def test_other_attention_implementations_warn_once_naming_the_fast_path(monkeypatch):
-    import ferrox_kv.hf as fhf
+    import ferrox_kv.hf.cache as fhf
     monkeypatch.setattr(fhf, "_warned", False)
     cfg, cls = config("llama")
     m = cls(cfg).eval()

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, QuantizedCache, StaticCache  # noqa: E402
 
-import ferrox_kv.hf as fhf  # noqa: E402
+import ferrox_kv.hf.attention as fhf  # noqa: E402
 from ferrox_kv import KvBlockPool, KvPoolExhausted  # noqa: E402
 from ferrox_kv.hf import FerroxCache, kv_geometry  # noqa: E402
 from support.models import VOCAB, config  # noqa: E402

@@ -10,10 +10,11 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from ferrox_kv import KvBlockPool  # noqa: E402
-from ferrox_kv import hf as fhf  # noqa: E402
 from ferrox_kv.hf import FerroxCache, kv_geometry  # noqa: E402
+from ferrox_kv.hf import cache as fhf  # noqa: E402  (where the rows are made)
 from support.models import config  # noqa: E402
 from support.models import prompt as _prompt  # noqa: E402
+
 
 def _llama(impl="sdpa", dtype=torch.float32, seed=1234):
     cfg, cls = config("llama")

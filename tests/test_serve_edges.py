@@ -309,3 +309,39 @@ def test_the_engine_streams_no_part_of_a_stop_a_token_starts(model_dir, stop, wa
             break
     assert r.text == want and "".join(sent) == want, (sent, r.text)
     assert r.finish_reason == ("length" if stop == "x" else "stop")
+
+
+class _CountingTokenizer:
+    """One letter per id (100 is "a"); counts the ids every ``decode`` is
+    given."""
+
+    eos_token_id = None
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return "".join(chr(ord("a") + (i - 100) % 26) for i in ids)
+
+
+def test_the_engine_decodes_each_new_token_once_not_the_whole_output(model_dir):
+    """A request's per-token decode is O(the new text): over 400 tokens the
+    engine's stream decodes at most a few ids per token, where decoding the
+    whole output at each token would be 400 * 401 / 2."""
+    from ferrox_kv.serve.engine import Engine, Request, Sampling
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                              attn_implementation="ferrox")
+    tok = _CountingTokenizer()
+    engine = Engine(model, tok, KvBlockPool(16, 8, 1, 16))
+    sent = []
+    n = 400
+    r = Request([5], n, Sampling(0), stop=["zz"],
+                emit=lambda kind, payload: sent.append(payload) if kind == "token" else None)
+    for i in range(n):
+        engine._accept(r, 100 + i % 25)       # never "zz": the letters a..y
+    assert r.finish_reason == "length" and len(r.output_ids) == n
+    want = "".join(chr(ord("a") + i % 25) for i in range(n))
+    assert r.text == want and "".join(sent) == want
+    assert tok.decoded <= 3 * n, tok.decoded

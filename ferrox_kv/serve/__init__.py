@@ -5,10 +5,13 @@ ferrox_kv pool.
         [--dtype float32] [--mode batch|threads] [--max-batch N] [--max-queue N]
         [--queue-timeout S] [--host 127.0.0.1] [--port 8000]
 
-Modules: ``engine`` (admission, the FIFO queue and the continuous-batching
-step loop), ``text`` (the incremental detokenizer, stop strings and the
-stream's hold-back; no model needed), ``app`` (the FastAPI routes,
-streaming, errors), ``metrics``
+Modules, as vLLM splits ``entrypoints/openai/``: ``protocol`` (the request
+bodies and the errors), ``app`` (the FastAPI routes as module functions over
+an ``AppState``, streaming), ``requests`` (``Request``, ``Sampling``),
+``text`` (the incremental detokenizer, stop strings and the stream's
+hold-back; no model needed), ``engine`` (admission, the FIFO queue and the
+continuous-batching step loop; the one place that checks its options; the
+packed step's cache is ``ferrox_kv.hf.PackedCache``), ``metrics``
 (Prometheus), ``cli`` (arguments, loading, uvicorn, graceful shutdown).
 Needs ``pip install '.[serve]'`` (FastAPI, uvicorn,
 prometheus_client, with torch and transformers); the rest of ferrox_kv never

@@ -3,9 +3,12 @@ graceful shutdown.
 
 SIGTERM (or Ctrl-C) stops admitting: new and queued requests get 503 with
 Retry-After while the running ones finish, up to ``--shutdown-timeout``
-seconds; then the server exits, cancelling what is left, and checks the
-pool (``pool.check()``; every block must be back). A second signal exits at
-once. The process never forks: uvicorn runs in it with one worker.
+seconds; then the server exits, cancelling what is left, writes what is
+queued for Redis, saves ``--prefix-file`` (atomically; a failed save is
+logged and leaves the previous file), and checks the pool
+(``pool.check()``; every block must be back). A second signal exits at
+once, without saving. The process never forks: uvicorn runs in it with one
+worker.
 """
 from __future__ import annotations
 
@@ -41,11 +44,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the pool's size in GiB (default 0.5)")
     kv.add_argument("--kv-blocks", type=int, default=None, help="the pool's size in blocks")
     ap.add_argument("--block-size", type=int, default=16, help="positions per block (16)")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="the model's weights (float32)")
+    ap.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
+                    help="the model's weights; auto (the default): the checkpoint's own "
+                         "dtype (its config's dtype / torch_dtype, float32 when it names none), "
+                         "as vLLM and transformers' dtype='auto' load it")
     ap.add_argument("--kv-dtype", choices=("auto",) + KV_DTYPES, default="auto",
-                    help="how the pool stores K/V; auto: the model's dtype (int8: q8_0, "
-                         "3.76x float32's sequences in the same memory)")
+                    help="how the pool stores K/V; auto: the dtype the model runs in (int8: "
+                         "q8_0, 3.76x float32's sequences in the same memory)")
     ap.add_argument("--mode", choices=("batch", "threads"), default="batch",
                     help="batch: continuous batching, one forward per step over every running "
                          "sequence; threads: one thread per request, batch 1 (the baseline)")
@@ -70,6 +75,27 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="largest request body in bytes; beyond it 413 (1 MiB)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds running requests get to finish after SIGTERM (30)")
+    ap.add_argument("--prefix-file", default=None, metavar="PATH",
+                    help="load the prefix cache from PATH at start (a file of another model, "
+                         "geometry or dtype, or a damaged one, is logged and the server starts "
+                         "empty) and save it there atomically at shutdown, after the running "
+                         "requests drain")
+    ap.add_argument("--prefix-save-interval", type=float, default=None, metavar="S",
+                    help="with --prefix-file: also save every S seconds")
+    ap.add_argument("--model-fingerprint", default=None, metavar="ID",
+                    help="the model's identity for --prefix-file and --redis (any text: a "
+                         "checkpoint's commit hash, say); default: ferrox_kv.hf.fingerprint, "
+                         "a hash of the config and every weight at start (a second or two per "
+                         "GB of weights). Give the same ID only to the same weights")
+    ap.add_argument("--redis", default=None, metavar="URL",
+                    help="share prefixes through Redis: redis://HOST:PORT/DB (one server) or "
+                         "redis+cluster://HOST:PORT (a Redis Cluster, through any node); "
+                         "published prefixes are written through, a prompt whose prefix is in "
+                         "Redis but not in the pool is read through before its prefill")
+    ap.add_argument("--redis-namespace", default="ferrox",
+                    help="the first part of every Redis key (ferrox)")
+    ap.add_argument("--redis-timeout", type=float, default=0.5,
+                    help="seconds each Redis call may take; past it the call is a miss (0.5)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="threads of torch and of ferrox_kv's attention (torch.set_num_threads "
                          "and ferrox_kv.set_num_threads; default: each one's own)")
@@ -103,13 +129,14 @@ def load(args):
         torch.set_num_threads(args.torch_threads)
         ferrox_kv.set_num_threads(args.torch_threads)
     model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, attn_implementation=ATTENTION, dtype=getattr(torch, args.dtype),
+        args.model_dir, attn_implementation=ATTENTION,
+        dtype="auto" if args.dtype == "auto" else getattr(torch, args.dtype),
         local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     n_layers, n_kv, head_dim = kv_geometry(model.config)
     if args.block_size < 1:
         raise SystemExit("ferrox-kv serve: --block-size must be >= 1")
-    kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
+    kv_dtype = model_dtype(model) if args.kv_dtype == "auto" else args.kv_dtype
     block_bytes = KvBlockPool(args.block_size, 0, n_kv, head_dim, dtype=kv_dtype).block_bytes
     blocks = args.kv_blocks
     if blocks is None:
@@ -120,6 +147,53 @@ def load(args):
     pool = KvBlockPool(args.block_size, blocks, n_kv, head_dim,
                        prefix_cache=not args.no_prefix_cache, dtype=kv_dtype)
     return model, tokenizer, pool
+
+
+def model_dtype(model) -> str:
+    """The dtype the model's weights were loaded in, as a name of ``DTYPES``
+    (a dtype the pool cannot store is refused, naming ``--dtype``)."""
+    name = str(model.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise SystemExit(f"ferrox-kv serve: the checkpoint loads as {name}; pass --dtype "
+                         f"{' or '.join(DTYPES)}")
+    return name
+
+
+def prefixes(args, model, pool, metrics):
+    """(PrefixFile or None, RedisPrefixes or None) for ``--prefix-file`` and
+    ``--redis``; the file is loaded here, before any request. The model's
+    fingerprint (a hash of its config and every weight, or
+    ``--model-fingerprint``) is computed once, only when one of them is
+    asked for."""
+    if args.prefix_file is None and args.redis is None:
+        return None, None
+    from ferrox_kv.hf import fingerprint, kv_geometry
+    from ferrox_kv.serve.prefixes import PrefixFile, RedisPrefixes
+    fp = (args.model_fingerprint.encode() if args.model_fingerprint is not None
+          else fingerprint(model))
+    n_layers = kv_geometry(model.config)[0]
+    files = redis = None
+    if args.prefix_file is not None:
+        if not pool.prefix_cache:
+            raise SystemExit("ferrox-kv serve: --prefix-file needs the prefix cache; drop "
+                             "--no-prefix-cache")
+        files = PrefixFile(pool, args.prefix_file, fp, n_layers)
+        files.load()
+        metrics.prefix_file = files
+    if args.redis is not None:
+        if not pool.prefix_cache:
+            raise SystemExit("ferrox-kv serve: --redis needs the prefix cache; drop "
+                             "--no-prefix-cache")
+        if not args.redis_timeout > 0:
+            raise SystemExit("ferrox-kv serve: --redis-timeout takes seconds > 0")
+        try:
+            redis = RedisPrefixes(pool, args.redis, fingerprint=fp, n_layers=n_layers,
+                                  namespace=args.redis_namespace, timeout=args.redis_timeout)
+        except (ValueError, TypeError, ImportError) as e:
+            raise SystemExit(f"ferrox-kv serve: --redis {args.redis}: {e}")
+        redis.on_fetch = metrics.redis_fetch
+        metrics.redis = redis
+    return files, redis
 
 
 def check_model_dir(args):
@@ -159,38 +233,49 @@ def run(args) -> int:
         import uvicorn
 
         from ferrox_kv.serve.app import make_app
-        from ferrox_kv.serve.engine import Engine
+        from ferrox_kv.serve.engine import Engine, check_options
         from ferrox_kv.serve.metrics import Metrics
     except ImportError as e:
         print(f"ferrox-kv serve needs FastAPI, uvicorn and prometheus_client: "
               f"pip install '.[serve]' from the ferrox_kv checkout ({e})",
               file=sys.stderr)
         return 2
-    for name in ("max_batch", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            print(f"ferrox-kv serve: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if args.threads_cache != "ferrox" and args.mode != "threads":
-        print(f"ferrox-kv serve: --threads-cache {args.threads_cache} is the threads mode's "
-              "baseline; pass --mode threads with it", file=sys.stderr)
+    try:
+        check_options(mode=args.mode, max_batch=args.max_batch, max_queue=args.max_queue,
+                      queue_timeout=args.queue_timeout, prefill_chunk=args.prefill_chunk,
+                      threads_cache=args.threads_cache, cli=True)
+    except ValueError as e:
+        print(f"ferrox-kv serve: {e}", file=sys.stderr)
+        return 2
+    if args.prefix_save_interval is not None and (args.prefix_file is None
+                                                  or args.prefix_save_interval <= 0):
+        print("ferrox-kv serve: --prefix-save-interval takes seconds > 0, with --prefix-file",
+              file=sys.stderr)
         return 2
     sock = bind(args.host, args.port)          # before the model: a busy port says so at once
     model, tokenizer, pool = load(args)
     metrics = Metrics(pool)
+    files, redis = prefixes(args, model, pool, metrics)
     engine = Engine(model, tokenizer, pool, mode=args.mode, max_batch=args.max_batch,
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                     prefill_chunk=args.prefill_chunk, threads_cache=args.threads_cache,
-                    metrics=metrics)
+                    metrics=metrics, fetch=None if redis is None else redis.fetch)
     metrics.engine = engine
     name = os.path.basename(os.path.normpath(args.model_dir))
     asgi, _ = make_app(engine, metrics, model_name=name,
-                       default_max_tokens=args.default_max_tokens, max_body=args.max_body)
+                       default_max_tokens=args.default_max_tokens, max_body=args.max_body,
+                       info={"dtype": model_dtype(model), "kv_dtype": pool.dtype})
+    stop_saving = threading.Event()
+    if files is not None and args.prefix_save_interval:
+        files.save_every(args.prefix_save_interval, stop_saving)
 
     class Server(uvicorn.Server):
         draining = False
+        forced = False
 
         def handle_exit(self, sig, frame):
-            if self.draining:                   # a second signal: now
+            if self.draining:                   # a second signal: now, without saving
+                self.forced = True
                 return super().handle_exit(sig, frame)
             self.draining = True
 
@@ -208,13 +293,22 @@ def run(args) -> int:
     mode = args.mode + (f", {args.threads_cache} cache" if args.mode == "threads" else "")
     port = sock.getsockname()[1]
     print(f"ferrox-kv serve: {name} on http://{args.host}:{port} ({mode} mode, "
+          f"{model_dtype(model)} weights, {pool.dtype} KV, "
           f"{pool.total_blocks} blocks of {pool.block_size} positions, prefix cache "
-          f"{'on' if pool.prefix_cache else 'off'})", file=sys.stderr, flush=True)
+          f"{'on' if pool.prefix_cache else 'off'}"
+          f"{', Redis ' + args.redis if redis is not None else ''})", file=sys.stderr, flush=True)
+    # shutdown: stop admitting and drain (handle_exit), then save the prefix
+    # file, then check the pool; a second signal skips the save
     try:
         server.run(sockets=[sock])
     finally:
+        stop_saving.set()
         engine.close()
         sock.close()
+        if redis is not None:
+            redis.close()
+    if files is not None and not server.forced:
+        files.save()
     stats = pool.stats()
     try:
         pool.check()

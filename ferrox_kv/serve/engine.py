@@ -37,230 +37,62 @@ token as ``generate`` does; its reservation is held as the admission ticket
 only, so admission, the queue and the 503s are the same, and the prefix
 cache is neither read nor published.
 
+Read-through (``fetch=``, the Redis store: ``serve.prefixes``). A request
+is first handed to one of ``fetch_threads`` fetcher threads, which reads
+the blocks of its prompt that the pool lacks into the pool, then queues it:
+the step loop never waits for the store, and a request whose fetch is slow
+waits alone (counted as waiting, and against ``max_queue``); each fetch is
+bounded by the store's timeout.
+
 The server never calls ``fork()``: one process, these threads, uvicorn's event
 loop.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import threading
 import time
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import DynamicCache
 
-from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many
-from ferrox_kv._core import _extend_each
-from ferrox_kv.hf import ATTENTION, _rows, kv_geometry
+from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
+from ferrox_kv.hf import ATTENTION, PackedCache, kv_geometry
+from ferrox_kv.serve.protocol import NeverFits, Overloaded
+from ferrox_kv.serve.requests import Request, Sampling
 from ferrox_kv.serve.text import TextStream
 
-__all__ = ["Engine", "NeverFits", "Overloaded", "Request", "Sampling"]
+__all__ = ["Engine", "NeverFits", "Overloaded", "Request", "Sampling", "check_options"]
 
 
-class Overloaded(Exception):
-    """No room now (queue full, queue timeout, shutting down): HTTP 503 with
-    ``Retry-After: retry_after`` seconds."""
-
-    def __init__(self, message, retry_after, reason):
-        super().__init__(message)
-        self.retry_after = int(retry_after)
-        self.reason = reason
+def _spell(name, value, cli):
+    """An option as its user writes it: ``--max-batch 0`` on the command
+    line, ``max_batch=0`` to the constructor."""
+    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
 
 
-class NeverFits(ValueError):
-    """The request can never be served by this pool or model: HTTP 400."""
-
-    def __init__(self, message, param):
-        super().__init__(message)
-        self.param = param
-
-
-class Sampling:
-    """How the next token is chosen: greedy at ``temperature == 0``, else
-    softmax at ``temperature`` restricted to the ``top_p`` nucleus, from a
-    generator seeded with ``seed`` (reproducible) or at random."""
-
-    def __init__(self, temperature=1.0, top_p=1.0, seed=None):
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.generator = None
-        if self.temperature > 0:
-            self.generator = torch.Generator()
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(int(seed))
-
-    def pick(self, logits):
-        """The next token id from a (vocab,) float tensor."""
-        if self.temperature == 0:
-            return int(torch.argmax(logits))
-        # the max is taken out before the division, in float64: any positive
-        # temperature, however small, then gives scores <= 0 (-inf at worst),
-        # never inf - inf
-        x = logits.double()
-        probs = torch.softmax((x - x.max()) / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p
-            keep[0] = True
-            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-class Request:
-    """One generation: what it asks for, and what the engine reports back
-    through ``emit(kind, payload)`` (called from the engine's threads;
-    ``"token"`` with the new text, then ``"done"`` with the finish reason, or
-    ``"error"`` with an exception). A request has at least one prompt id
-    (``ValueError`` otherwise): with none it could never make progress."""
-
-    def __init__(self, prompt_ids, max_tokens, sampling, stop=(), tenant=None, emit=None):
-        self.prompt_ids = [int(t) for t in prompt_ids]
-        if not self.prompt_ids:
-            raise ValueError("a request needs at least one prompt token")
-        self.max_tokens = int(max_tokens)
-        self.sampling = sampling
-        self.stop = tuple(s for s in stop if s)
-        self.tenant = tenant
-        self.emit = emit or (lambda kind, payload: None)
-        self.cancelled = False
-        self.caches: list[KvCache] | None = None
-        self.cached_tokens = 0
-        self.output_ids: list[int] = []
-        self.stream: TextStream | None = None   # made by the engine at the first token
-        self.finish_reason = None
-        self.arrived = time.monotonic()
-        self.admitted_at = None
-        self.first_token_at = None
-        self.last_token_at = None
-
-    @property
-    def text(self) -> str:
-        """The whole text so far (cut at a stop string): what the chunks
-        emitted join to once the request is done."""
-        return "" if self.stream is None else self.stream.text
-
-    @property
-    def reserve(self) -> int:
-        return len(self.prompt_ids) + self.max_tokens
-
-    @property
-    def remaining(self) -> int:
-        return self.max_tokens - len(self.output_ids)
-
-    def cancel(self):
-        """The client went away: the engine stops the sequence at its next
-        step and gives its blocks back. Safe from any thread."""
-        self.cancelled = True
-
-    def usage(self):
-        return {"prompt_tokens": len(self.prompt_ids),
-                "completion_tokens": len(self.output_ids),
-                "total_tokens": len(self.prompt_ids) + len(self.output_ids),
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-# ---------------------------------------------------------------------------
-# The batched cache: per-sequence KvCaches of one step, as a transformers Cache
-# ---------------------------------------------------------------------------
-
-class _StepLayer(CacheLayerMixin):
-    """Layer ``layer_idx`` of the sequences in this step, packed in batch 1:
-    positions ``[offsets[b], offsets[b + 1])`` of the forward are sequence
-    b's next ``counts[b]`` positions, in its ``KvCache`` of that layer
-    (``seqs[b]``); the first ``n_single`` sequences have one position each."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, layer_idx, seqs, counts):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.seqs = seqs
-        self.counts = counts
-        self.offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        self.n_single = next((i for i, n in enumerate(counts) if n != 1), len(counts))
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states):
-        pass
-
-    def update(self, key_states, value_states, *args, kwargs=None, **extra):
-        """Store the step's rows, each sequence's in its own cache, and hand
-        the layer to the "ferrox" attention, which calls ``attend_packed``.
-        A failure part way is undone by the engine (``_roll_back``: every
-        layer of every sequence back to its length before the forward)."""
-        if kwargs is None:
-            raise RuntimeError("the model did not pass its attention kwargs to the cache; "
-                               "ferrox_kv.serve needs a transformers 5 model")
-        kn, vn = _rows(key_states)[0], _rows(value_states)[0]      # (positions, heads, dim)
-        self._by_sequence(lambda seqs, a, b: _extend_each(seqs, kn[a:b].reshape(
-            len(seqs), (b - a) // len(seqs), *kn.shape[1:]), vn[a:b].reshape(
-            len(seqs), (b - a) // len(seqs), *vn.shape[1:])))
-        kwargs["ferrox_layer"] = self
-        empty = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0,
-                                      key_states.shape[3]))
-        return empty, empty
-
-    def _by_sequence(self, fn):
-        """``fn(seqs, start, end)`` for the single-position sequences at once,
-        then for each other sequence: the packed positions ``[start, end)``."""
-        k = self.n_single
-        if k:
-            fn(self.seqs[:k], 0, k)
-        for b in range(k, len(self.seqs)):
-            fn(self.seqs[b:b + 1], self.offsets[b], self.offsets[b + 1])
-
-    def attend_packed(self, query, scale, window):
-        """The "ferrox" attention of a packed layer: query ``(1, heads,
-        positions, dim)`` -> ``(1, positions, heads, dim)`` float32, each
-        sequence's queries against its own cache (its last positions)."""
-        q = query.detach()[0].to("cpu", torch.float32).transpose(0, 1).contiguous().numpy()
-        out = np.empty(q.shape[:2] + (self.seqs[0].v_head_dim,), dtype=np.float32)
-
-        def one(seqs, a, b):
-            n = len(seqs)
-            shape = (n, (b - a) // n)
-            attend_many(seqs, q[a:b].reshape(shape + q.shape[1:]), scale=scale, window=window,
-                        out=out[a:b].reshape(shape + out.shape[1:]), threads=torch.get_num_threads())
-
-        self._by_sequence(one)
-        return torch.from_numpy(out)[None]
-
-    def get_seq_length(self):
-        return self.seqs[0].seq_len if self.seqs else 0
-
-    def get_mask_sizes(self, query_length):
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self):
-        return -1
-
-    def reset(self):
-        pass
-
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
-
-
-class StepCache(Cache):
-    """The caches of the sequences that run in one forward, layer by layer:
-    ``requests[b].caches[layer]``, sequence b with ``counts[b]`` new
-    positions (packed in batch 1, in this order). Lengths may differ;
-    positions come from the caller's ``position_ids``."""
-
-    def __init__(self, requests, config, counts):
-        super().__init__(layers=[_StepLayer(i, [r.caches[i] for r in requests], counts)
-                                 for i in range(len(requests[0].caches))])
-        self.config = config              # what the "ferrox" attention reads of its layer's owner
-        for layer in self.layers:
-            layer._owner = self
+def check_options(*, mode="batch", max_batch=16, max_queue=64, queue_timeout=30.0,
+                  prefill_chunk=256, threads_cache="ferrox", cli=False):
+    """``ValueError`` naming the first option out of range, spelled as the
+    command line writes it when ``cli``: the one place the engine's options
+    are checked (``Engine`` and ``ferrox-kv serve`` both call it)."""
+    if mode not in ("batch", "threads"):
+        raise ValueError(f"{_spell('mode', mode, cli)}: the mode must be 'batch' or 'threads'")
+    if threads_cache not in ("ferrox", "dynamic"):
+        raise ValueError(f"{_spell('threads_cache', threads_cache, cli)}: threads_cache must be "
+                         "'ferrox' or 'dynamic'")
+    if threads_cache == "dynamic" and mode != "threads":
+        raise ValueError(f"{_spell('threads_cache', 'dynamic', cli)} is the threads mode's "
+                         f"baseline; pass {_spell('mode', 'threads', cli)} with it")
+    for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+        if v < 1:
+            raise ValueError(f"{_spell(name, v, cli)}: {name} must be >= 1")
+    for name, v in (("max_queue", max_queue), ("queue_timeout", queue_timeout)):
+        if v < 0:
+            raise ValueError(f"{_spell(name, v, cli)}: {name} must be >= 0")
 
 
 def _roll_back(requests, lengths):
@@ -281,8 +113,10 @@ class Engine:
 
     ``Engine(model, tokenizer, pool, *, mode="batch", max_batch=16,
     max_queue=64, queue_timeout=30.0, prefill_chunk=256,
-    threads_cache="ferrox")`` (``threads_cache``: ``"ferrox"`` or
-    ``"dynamic"``, threads mode only). ``start()``
+    threads_cache="ferrox", metrics=None, fetch=None, fetch_threads=4)``
+    (``threads_cache``: ``"ferrox"`` or ``"dynamic"``, threads mode only;
+    ``fetch(prompt_ids, salt)``: a read-through run before a request is
+    queued, in one of ``fetch_threads`` threads). ``start()``
     launches the scheduler thread; ``submit(request)`` queues a request (or
     raises ``Overloaded`` / ``NeverFits``); ``drain(deadline)`` stops
     admitting and waits for the running requests; ``close()`` cancels what is
@@ -291,25 +125,16 @@ class Engine:
 
     def __init__(self, model, tokenizer, pool: KvBlockPool, *, mode="batch", max_batch=16,
                  max_queue=64, queue_timeout=30.0, prefill_chunk=256, threads_cache="ferrox",
-                 metrics=None):
-        if mode not in ("batch", "threads"):
-            raise ValueError(f"mode must be 'batch' or 'threads', got {mode!r}")
-        if threads_cache not in ("ferrox", "dynamic"):
-            raise ValueError(f"threads_cache must be 'ferrox' or 'dynamic', got {threads_cache!r}")
-        if threads_cache == "dynamic" and mode != "threads":
-            raise ValueError("threads_cache='dynamic' is the threads mode's baseline; "
-                             "pass mode='threads' with it")
+                 metrics=None, fetch=None, fetch_threads=4):
+        check_options(mode=mode, max_batch=max_batch, max_queue=max_queue,
+                      queue_timeout=queue_timeout, prefill_chunk=prefill_chunk,
+                      threads_cache=threads_cache)
         if getattr(model.config, "_attn_implementation", None) != ATTENTION:
             raise ValueError(f"the model must run attn_implementation={ATTENTION!r}")
         self.n_layers, n_kv, head_dim = kv_geometry(model.config)
         if (pool.n_kv_heads, pool.head_dim) != (n_kv, head_dim):
             raise ValueError(f"pool geometry ({pool.n_kv_heads} heads of {pool.head_dim}) does "
                              f"not match the model's ({n_kv} heads of {head_dim})")
-        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        if max_queue < 0 or queue_timeout < 0:
-            raise ValueError("max_queue and queue_timeout must be >= 0")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -333,6 +158,13 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._draining = False
         self._stopping = False
+        # fetch(prompt_ids, salt): a read-through before admission (the Redis
+        # store), run in a fetcher thread of the request's own; the request
+        # joins the queue once it returns, so that no step waits for it
+        self._fetch = fetch
+        self._fetching = 0
+        self._fetchers = (concurrent.futures.ThreadPoolExecutor(
+            fetch_threads, thread_name_prefix="ferrox-serve-fetch") if fetch is not None else None)
         self._step_ema = None                   # seconds per decode step (per token in threads)
         self._loop = None
 
@@ -349,8 +181,21 @@ class Engine:
         return min(by_pool, self.context) if self.context else by_pool
 
     def stats(self):
+        """``running``: admitted; ``waiting``: queued, or in their read-through."""
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._queue)}
+            return {"running": len(self._running), "waiting": len(self._queue) + self._fetching}
+
+    def health(self):
+        """``/health``'s figures in one snapshot: the engine takes and gives
+        back blocks under its lock, so the counts and the pool's figures
+        agree (a request retired between two separate reads would look idle
+        with its blocks still held)."""
+        with self._cv:
+            s = self.pool.stats()
+            return {"status": "draining" if self._draining else "ok",
+                    "running": len(self._running), "waiting": len(self._queue) + self._fetching,
+                    "free_blocks": s["free_blocks"], "used_blocks": s["used_blocks"],
+                    "cached_blocks": s["cached_blocks"], "total_blocks": s["total_blocks"]}
 
     # -- the client side -------------------------------------------------------
 
@@ -379,12 +224,31 @@ class Engine:
             if self._draining or self._stopping:
                 raise Overloaded("the server is shutting down; retry on another instance",
                                  self.retry_after(request), "shutting_down")
-            if len(self._queue) >= self.max_queue and not self._can_start_now(request):
+            if (len(self._queue) + self._fetching >= self.max_queue
+                    and not self._can_start_now(request)):
                 raise Overloaded(
                     f"the queue is full ({self.max_queue} requests wait for KV blocks); "
                     "retry after the time in Retry-After", self.retry_after(request), "queue_full")
+            if self._fetchers is not None and self.threads_cache == "ferrox":
+                self._fetching += 1
+                self._fetchers.submit(self._fetch_main, request)
+                return
             self._queue.append(request)
             self._cv.notify_all()
+
+    def _fetch_main(self, request):
+        """In a fetcher thread: the request's read-through, then the queue
+        (a fault is a miss: the request is queued all the same)."""
+        try:
+            if not request.cancelled and self.pool.prefix_cache:
+                self._fetch(request.prompt_ids, request.tenant)
+        except Exception:                # noqa: BLE001  (a miss; the store counts it)
+            pass
+        finally:
+            with self._cv:
+                self._fetching -= 1
+                self._queue.append(request)     # _expire_queue refuses it if draining
+                self._cv.notify_all()
 
     def _can_start_now(self, request):
         return (not self._queue and len(self._running) < self.max_batch
@@ -426,7 +290,7 @@ class Engine:
             self._draining = True
             self._cv.notify_all()
             end = time.monotonic() + deadline
-            while self._running or self._queue:
+            while self._running or self._queue or self._fetching:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -440,6 +304,8 @@ class Engine:
             for r in list(self._queue) + list(self._running):
                 r.cancel()
             self._cv.notify_all()
+        if self._fetchers is not None:
+            self._fetchers.shutdown(wait=True)       # each fetch is bounded by the store
         if self._loop is not None:
             self._loop.join(timeout=30)
         for t in list(self._threads):
@@ -592,7 +458,7 @@ class Engine:
         last = torch.tensor(np.cumsum(counts) - 1, dtype=torch.long)
         try:
             out = self.model(input_ids=ids, position_ids=pos,
-                             cache=StepCache(requests, self.model.config, counts),
+                             cache=PackedCache([r.caches for r in requests], counts),
                              use_cache=True, logits_to_keep=last)
         except BaseException:
             _roll_back(requests, lengths)

@@ -38,10 +38,12 @@ SYSTEM = ("You are a helpful assistant that answers questions about the KV cache
 
 
 def make_model_dir(path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=None,
-                   intermediate=None, vocab=320, context=1024, seed=1234):
+                   intermediate=None, vocab=320, context=1024, seed=1234, dtype=None):
     """Write a model directory at ``path`` (made if missing) and return its
     path: a random Llama and a byte-level BPE tokenizer trained on ``TEXT``
-    (``vocab`` entries at most), with ``CHAT_TEMPLATE``."""
+    (``vocab`` entries at most), with ``CHAT_TEMPLATE``. ``dtype`` (a torch
+    dtype or its name): the weights' dtype, saved as the checkpoint's
+    ``dtype``; float32 when None."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -69,6 +71,8 @@ def make_model_dir(path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=N
     printable_head(model, fast)
     model.generation_config.pad_token_id = fast.pad_token_id
     model.generation_config.eos_token_id = fast.eos_token_id
+    if dtype is not None:
+        model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     model.save_pretrained(path)
     return str(path)
 

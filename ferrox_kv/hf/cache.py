@@ -1,109 +1,23 @@
-"""``FerroxCache``: a Hugging Face transformers ``Cache`` backed by ferrox_kv,
-and ``"ferrox"``: an attention implementation that reads it in place.
-
-    import ferrox_kv.hf                       # registers the "ferrox" attention
-    from ferrox_kv.hf import FerroxCache
-
-    model.set_attn_implementation("ferrox")   # the one line: attend in place
-    with FerroxCache(model.config, pool=pool, max_seq_len=512) as cache:
-        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
-
-Needs ``torch`` and ``transformers`` 5 (``pip install '.[hf]'``); the
-rest of ferrox_kv never imports this module.
-
-Layout. One ferrox_kv ``KvCache`` per layer and per sequence of the batch.
-transformers hands each layer K/V shaped ``(batch, heads, T, head_dim)``; they
-are stored as rows (``(T, heads, head_dim)`` per sequence) of the cache's
-``dtype``: by default (``dtype="auto"``) the dtype the model runs in, so a
-bf16 model's cache holds bfloat16 (the bytes of DynamicCache), or an explicit
-``"float32"`` / ``"float16"`` / ``"bfloat16"`` / ``"int8"`` (or torch dtype).
-
-Attention. With ``attn_implementation="ferrox"`` a layer's ``update`` stores
-the new rows and hands the layer to the attention function (through the
-kwargs dict that transformers passes from ``update`` on to attention); the
-function runs ``attend_many`` over the layer's caches, reading contiguous
-buffers or the pool's blocks in place: no gather, no ``torch.cat``, no
-``repeat_kv``. The mask function registered under the same name hands each
-layer what mask creation was given: the 2D padding the kernel reads
-(positions before a sequence's first real token are never attended) and the
-arguments of ``sdpa_mask``. A sliding window (Mistral) is applied by the
-kernel. The function runs torch's SDPA instead, with exactly the mask "sdpa"
-would get (so it is "sdpa" there, for every cache transformers ships), when
-the layer's cache is not a FerroxCache (``use_cache=False``, DynamicCache,
-StaticCache, QuantizedCache), for a custom 4D mask (as given), for a mask
-that is not plain causal plus left padding and the window (overlaid masks,
-chunked or bidirectional attention), for a prefill of at least
-``SDPA_PREFILL_MIN`` positions into an empty cache (SDPA's matrix products
-are faster there), and with dropout.
-
-Copies, said plainly:
-
-* in: bf16 / fp16 / fp32 K/V are read in place on the CPU (after moving them
-  there and making them ``(T, heads, head_dim)``-contiguous, which is a copy
-  unless T is 1) and converted to the storage dtype inside the copy loop: no
-  float32 detour; other dtypes are converted to float32 first;
-* attention "ferrox": only the queries (to float32) and the output (back to
-  the model's dtype and device) are copied;
-* any other attention implementation: every step hands the whole K/V to
-  attention: zero-copy views of a contiguous cache with batch 1, else
-  stacked or gathered from the blocks (a copy), converted to the model's
-  dtype and device. FerroxCache warns about it once per process.
-* ``cache.layers[i].keys`` / ``.values`` (as DynamicCache's: ``(batch,
-  kv_heads, seq_len, head_dim)``, the model's dtype) are made the same way
-  at each access: zero-copy for a contiguous float32 CPU cache of batch 1,
-  else a copy.
-
-Sliding-window layers are stored whole, so they cost full-length memory;
-models with non-attention layers (linear attention, state-space) are refused
-with ``ValueError``.
-
-Reservation. With a pool, the blocks for ``max_seq_len`` positions of every
-layer of ``batch_size`` sequences are taken at construction in one
-acquisition, all or none (``KvPoolExhausted``, pool untouched). A larger batch
-later (beam search, ``num_return_sequences``) shares the full blocks of the
-sequence it copies and reserves the rest for each new sequence, or raises.
-Blocks go back at ``close()``, at the end of a ``with`` block, or when the
-cache is garbage-collected. ``generate`` asked for more positions than a
-pooled cache reserved warns once; growing past the reservation takes free
-blocks of the pool, and when there are none ``KvPoolExhausted`` says so.
-
-No config. ``FerroxCache()`` (contiguous caches only) takes the geometry and
-the layers from the K/V of the first step, as ``DynamicCache()`` does; that
-step hands the incoming K/V to whichever attention runs, and "ferrox" reads in
-place from the next one.
+"""``FerroxCache`` and its ``FerroxLayer``: a transformers ``Cache`` whose K/V
+live in ferrox_kv caches, as transformers' ``cache_utils.py`` holds
+DynamicCache (the package docstring says how it stores, reserves and
+copies); ``kv_geometry`` and ``fingerprint`` of a model; ``_SeqsLayer``, the
+layer base that ``ferrox_kv.hf.packed`` builds on too.
 """
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 
 import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-try:
-    import torch
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import (causal_mask_function, sdpa_mask,
-                                            sliding_window_causal_mask_function)
-except ImportError as e:
-    raise ImportError(
-        "ferrox_kv.hf needs torch and transformers 5: pip install '.[hf]' from the ferrox_kv "
-        f"checkout (on Linux take torch's CPU build from PyTorch's CPU wheel index first); {e}") from e
-
-from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted, attend_many
+from ferrox_kv import DTYPES, KvBlockPool, KvCache, KvPoolExhausted
 from ferrox_kv._core import _assign, _dtype_name, _extend_each
+from ferrox_kv.hf.attention import ATTENTION, _refuse_compile
 
-__all__ = ["ATTENTION", "FerroxCache", "FerroxCompileError", "FerroxLayer", "ferrox_attention",
-           "kv_geometry"]
-
-ATTENTION = "ferrox"          # model.set_attn_implementation(ATTENTION)
-
-# A prefill of at least this many positions into an empty cache runs torch's
-# SDPA on the incoming K/V: its matrix products beat the kernel from about
-# 1024 positions, not before (benchmarks/NOTES.md, "Prefill: SDPA or attend").
-SDPA_PREFILL_MIN = 1024
+__all__ = ["FerroxCache", "FerroxLayer", "fingerprint", "kv_geometry"]
 
 _warned = False
 
@@ -181,155 +95,57 @@ def _order(beam_idx, n):
 
 
 # ---------------------------------------------------------------------------
-# The attention implementation
+# The layers
 # ---------------------------------------------------------------------------
 
-class _Mask:
-    """What the "ferrox" mask function was given, for the attention: the 2D
-    padding ``(batch, positions)`` the kernel reads; whether the mask is plain
-    (causal, the ``local_size`` window and padding, nothing overlaid: only
-    then may the kernel stand in for it); and the exact mask SDPA would get
-    (``sdpa_mask`` on the same arguments), built on first use and shared by
-    every layer the mask goes to."""
-
-    __slots__ = ("padding", "plain", "local_size", "_args", "_sdpa")
-    ndim = 4        # a prepared mask: generate's precomputed one is passed on, not re-read as 2D
-
-    def __init__(self, args):
-        self.padding = args.get("attention_mask")
-        self.plain = bool(args.get("allow_is_causal_skip", False))
-        self.local_size = args.get("local_size")
-        # a static cache's offsets are tensors its update advances in place:
-        # the mask is built later, at the first layer's attention, from a copy
-        self._args = {k: v.clone() if isinstance(v, torch.Tensor) and k.endswith("_offset") else v
-                      for k, v in args.items()}
-        self._sdpa = None
-
-    def sdpa(self):
-        if self._args is not None:
-            self._sdpa, self._args = sdpa_mask(**self._args), None
-        return self._sdpa
-
-
-def _ferrox_mask(**args):
-    """The mask function registered for "ferrox" (transformers calls it with
-    the arguments of ``sdpa_mask``): a ``_Mask`` holding them, or the
-    ``_Mask`` it is given (``generate`` prepares it ahead for a static cache)."""
-    prepared = args.get("attention_mask")
-    return prepared if isinstance(prepared, _Mask) else _Mask(args)
-
-
-def _direct_mask(padding, batch, q_len, kv_len, window, device):
-    """A ``_Mask`` for a 2D padding mask handed to ``ferrox_attention``
-    directly (not through the mask function): the queries are then the last
-    ``q_len`` of the ``kv_len`` positions and the padding spans them."""
-    fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
-    return _Mask(dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
-                      kv_offset=0, mask_function=fn, allow_is_causal_skip=True,
-                      attention_mask=None if padding is None else
-                      padding[:, -kv_len:].to(device=device, dtype=torch.bool),
-                      local_size=window, device=device))
-
-
-def _left_padding(padding, kv_len):
-    """Each row's first visible position when ``padding`` (batch, kv_len) is
-    left padding (False then True), else None."""
-    if padding is None:
-        return None
-    pad = padding[:, -kv_len:].to(torch.bool)
-    first = torch.where(pad.any(-1), pad.to(torch.int8).argmax(-1),
-                        torch.full((pad.shape[0],), kv_len))
-    if not bool((pad.sum(-1) == kv_len - first).all()):
-        return None
-    return first.cpu().numpy()
-
-
-COMPILE_REFUSED = (
-    "FerroxCache does not run under torch.compile: its K/V live in ferrox_kv's C caches, "
-    "which torch.compile cannot trace (they are not registered as torch custom ops). Run the "
-    "model eagerly with FerroxCache (attn_implementation='ferrox' reads it in place), or "
-    "compile with transformers' own StaticCache or DynamicCache.")
-
-
-class FerroxCompileError(RuntimeError):
-    """A FerroxCache (or a "ferrox" attention over one) met torch.compile."""
-
-
-def _refuse_compile():
-    """Raises ``FerroxCompileError`` while torch.compile traces the caller:
-    a clear error at the first cache call, not a failed trace deep in dynamo."""
-    if torch.compiler.is_compiling():
-        raise FerroxCompileError(COMPILE_REFUSED)
-
-
-def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     sliding_window=None, ferrox_layer=None, **kwargs):
-    """Attention for ``attn_implementation="ferrox"``: reads a FerroxCache's
-    rows in place with ``attend_many``; otherwise torch's SDPA with exactly
-    the mask SDPA would get (see the module docstring). query (B, H, q_len, D)
-    -> (B, q_len, H, D). A layer with ``attend_packed(query, scale, window)``
-    (several sequences' positions packed in batch 1: ``ferrox_kv.serve``'s
-    step) attends for itself, by the same kernel, whatever the mask. The
-    kernel uses at most ``torch.get_num_threads()`` threads (and at most
-    ``ferrox_kv.get_num_threads()``), so ``torch.set_num_threads(k)`` limits
-    both."""
-    batch, _, q_len, _ = query.shape
-    layer = ferrox_layer
-    if layer is not None:
-        _refuse_compile()
-    packed = getattr(layer, "attend_packed", None)
-    if packed is not None:
-        return packed(query, scaling, sliding_window).to(device=query.device,
-                                                          dtype=query.dtype), None
-    if layer is not None and layer._owner.config is None:
-        layer._owner._adopt_config(getattr(module, "config", None))
-    if isinstance(attention_mask, _Mask):
-        mask = attention_mask
-    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        mask = None                                       # a custom mask: SDPA, as given
-    else:                                                 # 2D padding or None, handed directly
-        kv = layer.get_seq_length() if layer is not None else key.shape[2]
-        mask = _direct_mask(attention_mask, batch, q_len, kv, sliding_window, query.device)
-    if layer is not None:
-        kv_len = layer.get_seq_length()
-        fresh = key.shape[2] == kv_len == q_len           # update handed back the incoming K/V
-        if (mask is not None and mask.plain and mask.local_size == sliding_window
-                and dropout == 0.0 and len(layer.seqs) == batch
-                and not (fresh and q_len >= SDPA_PREFILL_MIN)):
-            starts = _left_padding(mask.padding, kv_len)
-            if starts is not None or mask.padding is None:
-                q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-                out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling,
-                                                   window=sliding_window, start=starts,
-                                                   threads=torch.get_num_threads()))
-                return out.to(device=query.device, dtype=query.dtype), None
-        if not fresh:                                     # update handed back placeholders
-            key, value = layer._gather()
-    dense = attention_mask if mask is None else mask.sdpa()
-    return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout,
-                                  scaling=scaling, **kwargs)
-
-
-AttentionInterface.register(ATTENTION, ferrox_attention)
-AttentionMaskInterface.register(ATTENTION, _ferrox_mask)
-
-
-# ---------------------------------------------------------------------------
-# The cache
-# ---------------------------------------------------------------------------
-
-class FerroxLayer(CacheLayerMixin):
-    """One model layer: one ``KvCache`` per sequence of the batch."""
+class _SeqsLayer(CacheLayerMixin):
+    """The base of ferrox_kv's cache layers: model layer ``layer_idx`` of
+    several sequences, one ``KvCache`` each (``seqs``), whose K/V the
+    "ferrox" attention reads in place. Not compileable, not sliding (a
+    sliding-window layer is stored whole; the kernel applies the window)."""
 
     is_compileable = False
-    is_croppable = True
     is_sliding = False
 
-    def __init__(self, owner: "FerroxCache", layer_idx: int):
+    def __init__(self, layer_idx: int, seqs=()):
         super().__init__()
-        self._owner_ref = weakref.ref(owner)     # no cycle: dropping the cache frees blocks
         self.layer_idx = layer_idx
-        self.seqs: list[KvCache] = []
+        self.seqs: list[KvCache] = list(seqs)
+
+    def _to_attention(self, kwargs, key_states):
+        """Hand this layer to the "ferrox" attention (through the kwargs that
+        transformers passes from ``update`` on to attention) and return the
+        K/V placeholders ``update`` gives back: no positions, since the
+        attention reads the caches instead."""
+        kwargs["ferrox_layer"] = self
+        b, h, _, d = key_states.shape
+        empty = key_states.new_empty((b, h, 0, d))
+        return empty, empty
+
+    def get_seq_length(self) -> int:
+        return self.seqs[0].seq_len if self.seqs else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class FerroxLayer(_SeqsLayer):
+    """One model layer: one ``KvCache`` per sequence of the batch."""
+
+    is_croppable = True
+
+    def __init__(self, owner: "FerroxCache", layer_idx: int):
+        super().__init__(layer_idx)
+        self._owner_ref = weakref.ref(owner)     # no cycle: dropping the cache frees blocks
         self.dtype = None
         self.device = None
 
@@ -394,6 +210,7 @@ class FerroxLayer(CacheLayerMixin):
         kn = _rows(key_states)
         vn = _rows(value_states)
         before = self.get_seq_length()
+        owner._warn_past_reservation(before + kt)
         try:
             _extend_each(self.seqs, kn, vn)        # every sequence or none
         except BaseException as e:
@@ -406,11 +223,10 @@ class FerroxLayer(CacheLayerMixin):
         # without a config the first step cannot tell which attention runs:
         # it hands back the incoming K/V, and "ferrox" adopts its module's config
         if kwargs is not None and (owner._reads_in_place() or (owner.config is None and was_empty)):
-            kwargs["ferrox_layer"] = self          # reaches ferrox_attention
+            placeholders = self._to_attention(kwargs, key_states)
             if was_empty:
                 return key_states, value_states    # the whole K/V: SDPA may prefill on it
-            empty = key_states.new_empty((kb, kh, 0, kd))
-            return empty, empty                    # attention reads the caches instead
+            return placeholders
         owner._warn_gathering()
         return self._gather()
 
@@ -438,15 +254,6 @@ class FerroxLayer(CacheLayerMixin):
 
     # -- what transformers asks of a layer -----------------------------------
 
-    def get_seq_length(self) -> int:
-        return self.seqs[0].seq_len if self.seqs else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         for cache in self.seqs:
             cache.clear()                     # keeps capacity and reserved blocks
@@ -468,12 +275,6 @@ class FerroxLayer(CacheLayerMixin):
         """This layer's sequences reordered (beam search);
         ``FerroxCache.reorder_cache`` does every layer in one step."""
         self._owner._reorder_layers([self], _order(beam_idx, len(self.seqs)))
-
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
 
 
 class FerroxCache(Cache):
@@ -640,25 +441,18 @@ class FerroxCache(Cache):
                     f"rest ({e}); make max_seq_len at least the prompt plus max_new_tokens",)
         return err
 
-    @property
-    def _is_user_defined(self):
-        return self.__dict__.get("_user_defined", False)
-
-    @_is_user_defined.setter
-    def _is_user_defined(self, value):
-        """transformers' ``generate`` marks a cache it is given in the step
-        that knows how many positions it will write (``max_cache_length``);
-        a pooled cache that reserved fewer warns there, once."""
-        self.__dict__["_user_defined"] = value
-        caller = sys._getframe(1).f_locals.get("max_cache_length")
-        if (value and isinstance(caller, int) and self._past_reservation(caller)
-                and not self._warned_reservation):
+    def _warn_past_reservation(self, positions) -> None:
+        """A pooled cache whose step needs more positions than it reserved
+        warns, once: transformers has no public API that tells a cache how
+        many positions ``generate`` will ask for, so the warning comes at
+        the first step past the reservation, before its blocks are taken."""
+        if self._past_reservation(positions) and not self._warned_reservation:
             self._warned_reservation = True
             warnings.warn(
-                f"generate may write {caller} positions per sequence into a FerroxCache that "
+                f"a step needs {positions} positions per sequence of a FerroxCache that "
                 f"reserved {self.max_seq_len} (max_seq_len); past that it takes free blocks of the "
                 "pool if there are any and raises KvPoolExhausted if not: make max_seq_len at least "
-                "the prompt plus max_new_tokens", stacklevel=3)
+                "the prompt plus max_new_tokens", stacklevel=4)
 
     def _reads_in_place(self) -> bool:
         """Whether the model runs the "ferrox" attention (read at each step:
