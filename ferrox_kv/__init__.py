@@ -88,6 +88,6 @@ __all__ = [
     "__version__",
 ]
 
-from ferrox_kv import _threadpoolctl
+from ferrox_kv import _threadpoolctl  # noqa: E402  (after the core's check above)
 
 _threadpoolctl.install()  # threadpoolctl sees the worker pool (no import of it here)

@@ -498,7 +498,8 @@ def test_both_vector_widths_match_the_reference(attend_width, h, nh, d, vd, t, q
     other.extend(k[: t - 5], v[: t - 5])
     both = attend_many([c, other], np.stack([q[-1:], q[:1]]), window=window)
     _check(both[0, 0], ref[-1])
-    _check(both[1, 0], reference(_st(k[: t - 5], dtype), _st(v[: t - 5], dtype), _q(q[:1], dtype), window=window)[0])
+    _check(both[1, 0], reference(_st(k[: t - 5], dtype), _st(v[: t - 5], dtype), _q(q[:1], dtype),
+                                 window=window)[0])
 
 
 @settings(max_examples=60, deadline=None)

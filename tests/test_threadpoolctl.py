@@ -57,7 +57,8 @@ def test_a_limit_of_blas_alone_leaves_the_pool_alone():
 
 
 _ORDERS = {
-    "ferrox_kv first": "import ferrox_kv, sys; lazy = 'threadpoolctl' not in sys.modules; import threadpoolctl",
+    "ferrox_kv first": ("import ferrox_kv, sys; lazy = 'threadpoolctl' not in sys.modules; "
+                        "import threadpoolctl"),
     "threadpoolctl first": "import sys, threadpoolctl, ferrox_kv; lazy = True",
 }
 
@@ -69,8 +70,8 @@ def test_either_import_order_registers_once_and_ferrox_kv_never_imports_it(order
         "\nwith threadpoolctl.threadpool_limits(1):\n    inside = ferrox_kv.get_num_threads()"
         "\nprint(lazy, len(entries), entries[0]['num_threads'], inside, ferrox_kv.get_num_threads(),"
         " sum(type(f).__name__ == '_Finder' for f in sys.meta_path))")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd="/",
-                         env={**os.environ, "FERROX_KV_NUM_THREADS": "3"})
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120, cwd="/", env={**os.environ, "FERROX_KV_NUM_THREADS": "3"})
     assert out.returncode == 0, out.stderr
     # lazy: ferrox_kv did not import threadpoolctl; one entry of 3 threads,
     # 1 inside the limit, 3 after it; the import finder removed itself
