@@ -164,3 +164,20 @@ def test_the_links_of_the_docs_reach_their_files_and_headings(page):
         if anchor:
             headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
             assert anchor in {_slug(h) for h in headings}, f"{page}: {link}"
+
+
+def test_the_readme_serve_commands_parse_as_the_server_reads_them():
+    # every `ferrox-kv serve` line of the README's bash blocks is taken by
+    # the server's own argument parser (a renamed or removed flag fails here)
+    import argparse
+    import shlex
+
+    from ferrox_kv.serve import cli
+    lines = [ln for b in docs.code_blocks("README.md", "bash") for ln in b.splitlines()
+             if "ferrox-kv serve" in ln]
+    assert any("--redis" in ln and "--prefix-file" in ln for ln in lines), lines
+    for ln in lines:
+        words = shlex.split(ln[ln.index("ferrox-kv serve"):].rstrip("& "))[2:]
+        ap = argparse.ArgumentParser(exit_on_error=False, allow_abbrev=False)
+        cli.add_arguments(ap)
+        ap.parse_args(words)
