@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from support.pools import STORE_DIM, STORE_FP, STORE_HEADS, publish_seq
+from support.pools import STORE_DIM, STORE_FP, STORE_HEADS, pool_counts, publish_seq, store_pool
 from support.redis_server import RedisServer, require_redis
 
 redis = require_redis()
@@ -206,6 +206,7 @@ def test_replica_b_reuses_what_a_computed_and_another_tenant_does_not(replicas):
     _, cached = complete(b, tenant="globex")          # another tenant: another salt
     assert cached == 0
     assert metric(b, "ferrox:redis_misses_total") > 0
+    assert metric(a, "ferrox:redis_writes_dropped_total") == 0
 
 
 def test_redis_stopped_mid_load_gives_no_5xx_and_hits_resume(replicas):
@@ -388,3 +389,141 @@ def test_a_second_signal_exits_at_once_without_saving(tmp_path, model_dir):
         srv.stop()
         t.join(60)
     assert not path.exists() and "saved" not in srv.log(), srv.log()
+
+
+# -- prefixes.py in process: the write queue, the read-through's rule, the saver --
+
+def test_the_redis_write_queue_is_bounded_and_what_it_drops_is_counted(tmp_path, capsys):
+    """With Redis not taking writes (here: the writer stopped), a publish
+    past the queue's bound queues nothing and counts a drop; close() gives
+    up on what is still queued, counts it and says so."""
+    from ferrox_kv.serve.prefixes import RedisPrefixes
+
+    store = RedisServer(tmp_path).start()
+    pool = store_pool()
+    rp = RedisPrefixes(pool, store.url, fingerprint=STORE_FP, n_layers=2, max_writes=3)
+    try:
+        rp.store.writes.put(None)                 # the writer ends: nothing is written
+        rp._writer.join(60)
+        assert not rp._writer.is_alive()
+        for i in range(5):
+            publish_seq(pool, [10 * i + j for j in range(8)], seed=i)
+        assert rp.store.writes.qsize() == 3
+        assert rp.writes_dropped == 2
+        rp.close(timeout=0)
+        assert rp.writes_dropped == 5             # the three still queued, dropped at close
+        assert "3 queued prefix writes dropped" in capsys.readouterr().err
+        assert rp.stats()["entries_written"] == 0
+        assert store.client().dbsize() == 0
+        assert pool.stats()["used_blocks"] == 0
+        pool.check()
+    finally:
+        store.stop()
+
+
+def test_a_read_through_into_a_pool_without_free_blocks_evicts_nothing(tmp_path):
+    """A pool whose free blocks are all another tenant's cached prefixes
+    fetches nothing (Redis not even asked) and evicts nothing; the same
+    fetch into a pool with free blocks reads the whole prefix."""
+    from ferrox_kv.serve.prefixes import RedisPrefixes
+
+    store = RedisServer(tmp_path).start()
+    prompt = list(range(3, 3 + 4 * 4 + 1))          # four whole blocks of 4, one token more
+    try:
+        src = store_pool()
+        a = RedisPrefixes(src, store.url, fingerprint=STORE_FP, n_layers=2)
+        publish_seq(src, prompt[:16], salt="acme")
+        a.close()                                   # waits for the writer
+        assert a.stats()["entries_written"] == 4
+        full = store_pool(total=16)
+        for i in range(2):                          # 2 x 4 blocks x 2 layers: all cached
+            publish_seq(full, [100 * (i + 1) + j for j in range(16)], salt="globex", seed=i)
+        before = pool_counts(full)
+        assert before["cached_blocks"] == before["free_blocks"] == 16
+        b = RedisPrefixes(full, store.url, fingerprint=STORE_FP, n_layers=2)
+        try:
+            assert b.fetch(prompt, "acme") == 0
+            assert b.stats()["lookups"] == 0         # no Redis round trip
+        finally:
+            b.close()
+        assert pool_counts(full) == before
+        full.check()
+        roomy = store_pool(total=16)
+        c = RedisPrefixes(roomy, store.url, fingerprint=STORE_FP, n_layers=2)
+        try:
+            assert c.fetch(prompt, "acme") == 16
+        finally:
+            c.close()
+        assert roomy.stats()["cached_blocks"] == 8 and roomy.stats()["evictions"] == 0
+    finally:
+        store.stop()
+
+
+def _prefix_file(tmp_path):
+    from ferrox_kv.serve.prefixes import PrefixFile
+
+    pool = KvBlockPool(BLOCK, 64, STORE_HEADS, STORE_DIM, prefix_cache=True)
+    publish_seq(pool, list(range(3, 3 + 2 * BLOCK)))
+    return pool, PrefixFile(pool, str(tmp_path / "prefixes.fxkv"), STORE_FP, 2)
+
+
+def test_an_interval_save_that_raises_is_logged_and_the_saves_go_on(tmp_path, monkeypatch,
+                                                                     capsys):
+    import threading
+
+    from ferrox_kv.serve import prefixes
+    from ferrox_kv.store import load_prefixes
+
+    pool, files = _prefix_file(tmp_path)
+    real, calls, saved = prefixes.save_prefixes, [], threading.Event()
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the disk is on fire")
+        got = real(*a, **kw)
+        saved.set()
+        return got
+
+    monkeypatch.setattr(prefixes, "save_prefixes", flaky)
+    saver = files.save_every(0.01)
+    try:
+        assert saved.wait(60)
+        assert saver.thread.is_alive()
+    finally:
+        saver.stop()
+    assert "not saved: RuntimeError: the disk is on fire" in capsys.readouterr().err
+    assert files.saved >= 2 and files.saved % 2 == 0
+    fresh = KvBlockPool(BLOCK, 64, STORE_HEADS, STORE_DIM, prefix_cache=True)
+    assert load_prefixes(fresh, files.path, fingerprint=STORE_FP)["entries"] == 2
+
+
+def test_stopping_the_interval_save_waits_for_a_save_under_way(tmp_path, monkeypatch):
+    """The exit (forced or not) checks that no block is in use: it stops the
+    saver first, and stop() returns only once the save under way (which
+    holds published blocks while it exports them) has finished."""
+    import threading
+
+    from ferrox_kv.serve import prefixes
+
+    pool, files = _prefix_file(tmp_path)
+    real, entered, go, finished = prefixes.save_prefixes, *(threading.Event() for _ in "123")
+
+    def slow(*a, **kw):
+        entered.set()
+        assert go.wait(60)
+        got = real(*a, **kw)
+        finished.set()
+        return got
+
+    monkeypatch.setattr(prefixes, "save_prefixes", slow)
+    saver = files.save_every(0.01)
+    assert entered.wait(60)
+    seen = []
+    stopper = threading.Thread(target=lambda: (saver.stop(), seen.append(finished.is_set())))
+    stopper.start()
+    go.set()
+    stopper.join(60)
+    assert seen == [True] and not saver.thread.is_alive()
+    assert pool.stats()["used_blocks"] == 0
+    pool.check()

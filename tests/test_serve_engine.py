@@ -307,3 +307,45 @@ def test_the_tiny_model_writes_printable_text_greedy_and_sampled(parts):
             text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             assert text and "\ufffd" not in text, (prompt, sample, text)
             assert all(c.isprintable() or c in "\n\t" for c in text), (prompt, sample, text)
+
+
+def test_close_refuses_the_requests_waiting_for_a_fetch_without_fetching_them(parts):
+    """close() while one read-through runs and two wait for the fetcher:
+    the running one ends, the waiting ones never reach the store, and all
+    three get their 503 (shutting_down); no block is left held."""
+    import threading
+
+    from ferrox_kv.serve.engine import Request, Sampling
+    from ferrox_kv.serve.protocol import Overloaded
+
+    entered, release, fetched, got = threading.Event(), threading.Event(), [], {}
+
+    def fetch(ids, salt):
+        fetched.append(salt)
+        entered.set()
+        assert release.wait(60)
+
+    e = _engine(parts, blocks=32, fetch=fetch, fetch_threads=1)
+    e.start()
+    names = ("first", "second", "third")
+    for name in names:
+        e.submit(Request(list(range(3, 11)), 2, Sampling(0), tenant=name,
+                         emit=lambda kind, p, name=name: got.setdefault(name, []).append(
+                             (kind, p))))
+    assert entered.wait(60)
+    closer = threading.Thread(target=e.close)
+    closer.start()
+    try:
+        with e._cv:
+            assert e._cv.wait_for(lambda: e._stopping, 60)
+    finally:
+        release.set()
+        closer.join(60)
+    assert not closer.is_alive()
+    assert fetched == ["first"]
+    for name in names:
+        errors = [p for kind, p in got.get(name, []) if kind == "error"]
+        assert len(errors) == 1 and isinstance(errors[0], Overloaded), (name, got)
+        assert errors[0].reason == "shutting_down"
+    assert e.pool.used_blocks == 0
+    e.pool.check()

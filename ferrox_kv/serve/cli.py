@@ -265,9 +265,9 @@ def run(args) -> int:
     asgi, _ = make_app(engine, metrics, model_name=name,
                        default_max_tokens=args.default_max_tokens, max_body=args.max_body,
                        info={"dtype": model_dtype(model), "kv_dtype": pool.dtype})
-    stop_saving = threading.Event()
+    saver = None
     if files is not None and args.prefix_save_interval:
-        files.save_every(args.prefix_save_interval, stop_saving)
+        saver = files.save_every(args.prefix_save_interval)
 
     class Server(uvicorn.Server):
         draining = False
@@ -298,11 +298,15 @@ def run(args) -> int:
           f"{'on' if pool.prefix_cache else 'off'}"
           f"{', Redis ' + args.redis if redis is not None else ''})", file=sys.stderr, flush=True)
     # shutdown: stop admitting and drain (handle_exit), then save the prefix
-    # file, then check the pool; a second signal skips the save
+    # file, then check the pool; a second signal skips the save. Either way
+    # an interval save under way is waited for (it is bounded: one export,
+    # one file write): it holds references on published blocks while it
+    # exports, and the check below must see none in use
     try:
         server.run(sockets=[sock])
     finally:
-        stop_saving.set()
+        if saver is not None:
+            saver.stop()
         engine.close()
         sock.close()
         if redis is not None:

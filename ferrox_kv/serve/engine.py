@@ -42,7 +42,8 @@ is first handed to one of ``fetch_threads`` fetcher threads, which reads
 the blocks of its prompt that the pool lacks into the pool, then queues it:
 the step loop never waits for the store, and a request whose fetch is slow
 waits alone (counted as waiting, and against ``max_queue``); each fetch is
-bounded by the store's timeout.
+bounded by the store's timeout. Once a drain or ``close()`` begins, a request
+still waiting for its fetcher skips the fetch and is refused from the queue.
 
 The server never calls ``fork()``: one process, these threads, uvicorn's event
 loop.
@@ -238,9 +239,12 @@ class Engine:
 
     def _fetch_main(self, request):
         """In a fetcher thread: the request's read-through, then the queue
-        (a fault is a miss: the request is queued all the same)."""
+        (a fault is a miss: the request is queued all the same). A request
+        cancelled, or whose fetch starts once a drain or close began, skips
+        its read-through: the queue refuses it without a Redis round trip."""
         try:
-            if not request.cancelled and self.pool.prefix_cache:
+            skip = request.cancelled or self._draining or self._stopping
+            if not skip and self.pool.prefix_cache:
                 self._fetch(request.prompt_ids, request.tenant)
         except Exception:                # noqa: BLE001  (a miss; the store counts it)
             pass
@@ -305,7 +309,10 @@ class Engine:
                 r.cancel()
             self._cv.notify_all()
         if self._fetchers is not None:
-            self._fetchers.shutdown(wait=True)       # each fetch is bounded by the store
+            # a fetch under way ends (bounded by the store); the requests
+            # still waiting for a fetcher skip theirs (_stopping) and queue,
+            # to be refused below
+            self._fetchers.shutdown(wait=True)
         if self._loop is not None:
             self._loop.join(timeout=30)
         for t in list(self._threads):

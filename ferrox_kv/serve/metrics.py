@@ -34,6 +34,9 @@ ferrox:redis_errors_total                  counter    Redis faults (down, timeou
 ferrox:redis_fetch_seconds                 histogram  one request's read-through (its own
                                                       fetcher thread, never the step loop)
 ferrox:redis_entries_written_total         counter    prefix entries written through to Redis
+ferrox:redis_writes_dropped_total          counter    publishes not written to Redis: the
+                                                      writer's queue was full (Redis slow or
+                                                      unreachable)
 ferrox:prefix_entries_loaded_total         counter    prefix entries published at start from
                                                       --prefix-file
 ferrox:prefix_entries_saved_total          counter    prefix entries in the last saves of
@@ -82,6 +85,9 @@ class _PoolCollector:
                                       value=st["errors"] + st["rejected"])
             yield CounterMetricFamily("ferrox:redis_entries_written", "Prefix entries written "
                                       "through to Redis", value=st["entries_written"])
+            yield CounterMetricFamily("ferrox:redis_writes_dropped", "Publishes not written to "
+                                      "Redis: the write queue was full",
+                                      value=redis.writes_dropped)
         files = self.m.prefix_file
         if files is not None:
             yield CounterMetricFamily("ferrox:prefix_entries_loaded", "Prefix entries loaded "

@@ -13,7 +13,9 @@ pool. No Redis I/O ever runs on the engine's step loop:
 
 * a publish (a finished request's prompt and output) writes through: the
   pool hands the entries (copies of the rows) to ``put_chain``, which queues
-  them for a writer thread;
+  them for a writer thread; the queue holds ``WRITE_QUEUE`` chains, and a
+  publish that finds it full (Redis slow or unreachable) writes nothing,
+  counted in ``writes_dropped``, so that memory stays bounded;
 * a lookup at admission (on the engine's thread) reads nothing from Redis
   (``get_chain`` answers no entry there);
 * the read-through runs before admission, in one of the engine's fetcher
@@ -21,7 +23,11 @@ pool. No Redis I/O ever runs on the engine's step loop:
   prefix are read from Redis, verified and published into the pool, and
   only then does the request join the engine's queue, where admission finds
   them locally. A request waiting for Redis thus waits alone, in a
-  fetcher thread, while the step loop runs the others.
+  fetcher thread, while the step loop runs the others. A fetch runs only
+  while the pool's free blocks that hold no cached prefix cover every block
+  of the prompt in every layer: a read-through never evicts another
+  request's (or tenant's) cached prefix, and a pool too full is a skip, not
+  a Redis round trip.
 
 Redis down, slow (each call is bounded by the store's ``timeout``) or wrong
 (a value that fails verification) is a miss, counted, never an error to
@@ -38,7 +44,9 @@ import numpy as np
 
 from ferrox_kv.store import RedisPrefixStore, StoreFormatError, load_prefixes, save_prefixes
 
-__all__ = ["PrefixFile", "RedisPrefixes", "redis_client"]
+__all__ = ["WRITE_QUEUE", "PrefixFile", "RedisPrefixes", "redis_client"]
+
+WRITE_QUEUE = 32        # chains waiting for the Redis writer; past it a publish writes nothing
 
 
 def _log(message):
@@ -91,14 +99,38 @@ class PrefixFile:
              f"({got['tokens']} tokens)")
         return True
 
-    def save_every(self, seconds, stop: threading.Event) -> threading.Thread:
-        """A thread that saves every ``seconds`` until ``stop`` is set."""
+    def save_every(self, seconds) -> _Saver:
+        """A thread that saves every ``seconds`` until its ``stop()``. A save
+        that raises is logged (its field, if the store names one) and the
+        next one runs on time: the thread never ends on a failed save."""
+        stop = threading.Event()
+
         def loop():
             while not stop.wait(seconds):
-                self.save()
+                try:
+                    self.save()
+                except Exception as e:         # noqa: BLE001  (logged; the next save retries)
+                    field = getattr(e, "field", None)
+                    _log(f"--prefix-file {self.path} not saved"
+                         f"{f', field {field!r}' if field else ''}: {type(e).__name__}: {e}; "
+                         f"trying again in {seconds:g} s")
         t = threading.Thread(target=loop, name="ferrox-serve-prefix-save", daemon=True)
         t.start()
-        return t
+        return _Saver(stop, t)
+
+
+class _Saver:
+    """The interval-save thread of ``PrefixFile.save_every``."""
+
+    def __init__(self, stop, thread):
+        self._stop, self.thread = stop, thread
+
+    def stop(self):
+        """No more saves; returns once a save under way has finished. A save
+        holds references on published blocks while it exports them, so the
+        exit's check of the pool (no block in use) runs only after this."""
+        self._stop.set()
+        self.thread.join()
 
 
 def redis_client(url, timeout):
@@ -122,10 +154,22 @@ class _ServerStore(RedisPrefixStore):
     the rows) for the writer thread, and ``get_chain`` reads Redis only in a
     thread that asked for it (``fetching``): elsewhere it answers no entry."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, max_writes=WRITE_QUEUE, **kw):
         super().__init__(*args, **kw)
         self.local = threading.local()
-        self.writes: queue.Queue = queue.Queue()
+        self.writes: queue.Queue = queue.Queue(max_writes)
+        self.writes_dropped = 0          # chains not written: the queue was full, or closed
+        self._drop_lock = threading.Lock()
+
+    def _dropped(self, n):
+        with self._drop_lock:
+            self.writes_dropped += n
+
+    def after_publish(self, pool, caches, tokens, salt):
+        if self.writes.full():           # before the rows are copied
+            self._dropped(1)
+            return 0
+        return super().after_publish(pool, caches, tokens, salt)
 
     def get_chain(self, geometry, tokens, *, salt=None, start=0, limit=None):
         calls = getattr(self.local, "calls", None)
@@ -136,8 +180,26 @@ class _ServerStore(RedisPrefixStore):
         return got
 
     def put_chain(self, geometry, entries):
-        self.writes.put((geometry, list(entries)))
+        try:
+            self.writes.put_nowait((geometry, list(entries)))
+        except queue.Full:
+            self._dropped(1)
+            return 0
         return len(entries)
+
+    def drop_queued(self) -> int:
+        """Empty the queue (each chain counted in ``writes_dropped``) and
+        leave the writer its stop; returns the chains dropped."""
+        n = 0
+        while True:
+            try:
+                item = self.writes.get_nowait()
+            except queue.Empty:
+                break
+            n += item is not None
+        self._dropped(n)
+        self.writes.put_nowait(None)
+        return n
 
     def write_queued(self):
         """The writer thread: each queued chain to Redis, until None."""
@@ -151,12 +213,15 @@ class _ServerStore(RedisPrefixStore):
 class RedisPrefixes:
     """``--redis URL`` of ``pool``: attaches a ``_ServerStore`` (see the
     module docstring). ``RedisPrefixes(pool, url, *, fingerprint, n_layers,
-    namespace, timeout)``; ``fetch(prompt_ids, salt)`` from a fetcher
-    thread; ``close()`` writes what is queued, stops the writer, detaches."""
+    namespace, timeout, max_writes)``; ``fetch(prompt_ids, salt)`` from a
+    fetcher thread; ``close()`` writes what is queued, stops the writer,
+    detaches."""
 
-    def __init__(self, pool, url, *, fingerprint, n_layers, namespace="ferrox", timeout=0.5):
+    def __init__(self, pool, url, *, fingerprint, n_layers, namespace="ferrox", timeout=0.5,
+                 max_writes=WRITE_QUEUE):
         self.store = _ServerStore(redis_client(url, timeout), namespace=namespace,
-                                  fingerprint=fingerprint, timeout=timeout)
+                                  fingerprint=fingerprint, timeout=timeout,
+                                  max_writes=max_writes)
         self.pool, self.n_layers = pool, n_layers
         self._lock = threading.Lock()
         self.hit_tokens = 0
@@ -170,14 +235,25 @@ class RedisPrefixes:
     def stats(self):
         return self.store.stats()
 
+    @property
+    def writes_dropped(self) -> int:
+        """Chains (one per publish) not written to Redis: the write queue
+        was full, or still held them when ``close`` gave up waiting."""
+        return self.store.writes_dropped
+
     def fetch(self, prompt_ids, salt) -> int:
         """Read the blocks of ``prompt_ids`` past the pool's local prefix
         through Redis into the pool (in the calling thread; at most the
         store's round trips, each bounded by its timeout). Returns the
-        tokens it added; a fault is a miss."""
+        tokens it added; a fault is a miss. Nothing is read while the
+        pool's free blocks that hold no cached prefix are fewer than the
+        prompt's blocks in every layer: the import then never evicts."""
         bs = self.pool.block_size
         whole = (max(len(prompt_ids) - 1, 0) // bs) * bs   # a lookup reuses at most len - 1
         if whole == 0:
+            return 0
+        s = self.pool.stats()
+        if s["free_blocks"] - s["cached_blocks"] < (whole // bs) * self.n_layers:
             return 0
         tokens = np.asarray(prompt_ids[:whole], dtype=np.int64)
         self.store.local.calls = calls = []
@@ -199,9 +275,19 @@ class RedisPrefixes:
             self.on_fetch(time.perf_counter() - t0)
         return hit * bs
 
-    def close(self):
-        """Write what is queued, stop the writer, detach, close the client."""
-        self.store.writes.put(None)
-        self._writer.join(timeout=60)
-        self.pool.attach(None)
+    def close(self, timeout=60.0):
+        """Detach, write what is queued (for at most ``timeout`` seconds),
+        stop the writer, close the client. Chains still queued then are
+        dropped: counted in ``writes_dropped`` and logged."""
+        self.pool.attach(None)                   # nothing more is queued
+        end = time.monotonic() + timeout
+        try:
+            self.store.writes.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._writer.join(max(end - time.monotonic(), 0.0))
+        dropped = self.store.drop_queued()
+        if dropped:
+            _log(f"--redis: {dropped} queued prefix writes dropped at shutdown (Redis did not "
+                 f"take them within {timeout:g} s); {self.writes_dropped} dropped in all")
         self.store.close()
