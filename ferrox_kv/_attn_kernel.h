@@ -255,7 +255,10 @@ FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const 
    127 in float32, and the kernel attends with qi * sx (qs, times the
    scale's factor qscale; qf = sx * qscale for the integer tile).  A vector
    holding a NaN or an inf gets NaN (qs and qf): its scores are NaN, as
-   inf times a finite K value or NaN makes them in SDPA.  All zero: zeros. */
+   inf times a finite K value or NaN makes them in SDPA.  All zero, or no
+   value of magnitude 2^-119 or more (so that sx is a normal float, also
+   where the thread flushes denormals): zeros, whose scores differ from the
+   exact ones by less than 2^-119 times |k|. */
 FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, int8_t *qi, float *qf)
 {
     uint32_t amax = 0;
@@ -265,8 +268,8 @@ FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, i
         const uint32_t u = fx_f2u(x[d]) & 0x7fffffffu;
         amax = u > amax ? u : amax;
     }
-    if (amax == 0 || amax >= 0x7f800000u) {
-        const float fill = amax ? fx_u2f(0x7fc00000u) : 0.0f;
+    if (amax < 0x04000000u || amax >= 0x7f800000u) {
+        const float fill = amax >= 0x7f800000u ? fx_u2f(0x7fc00000u) : 0.0f;
         for (d = 0; d < hd; d++) {
             qs[d] = fill;
             qi[d] = 0;

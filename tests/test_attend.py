@@ -43,8 +43,9 @@ def _st(x, dtype):
 def _q(q, dtype):
     """The queries a cache of ``dtype`` attends with: int8 caches quantise
     each query vector (one scale per vector of head_dim values, rint(x / s)
-    * s with s = max|x| / 127 in float32; all-zero or non-finite vectors as
-    they are), so that K is dotted in integers; other dtypes read q as is.
+    * s with s = max|x| / 127 in float32; a vector below 2^-119 reads as
+    zeros, a non-finite one as it is), so that K is dotted in integers;
+    other dtypes read q as is.
     The cost of that against float queries is bounded in test_precision."""
     if dtype != "int8":
         return q
@@ -53,7 +54,8 @@ def _q(q, dtype):
     with np.errstate(all="ignore"):
         s = a / np.float32(127)
         r = np.clip(np.rint(q / s), -127, 127) * s
-    return np.where(np.isfinite(a) & (a != 0), r, q).astype(np.float32)
+    tiny = np.isfinite(a) & (a < np.float32(2.0 ** -119))
+    return np.where(tiny, np.float32(0), np.where(np.isfinite(a), r, q)).astype(np.float32)
 
 
 def reference(k, v, q, scale=None, window=None, start=0):
@@ -288,6 +290,27 @@ def test_attend_many_matches_attend_per_sequence_with_lengths_and_left_padding(d
     out_w = attend_many(caches, q, window=6)
     for i, (k, v) in enumerate(datas):
         _check(out_w[i], reference(k, v, _q(q[i], dtype), window=6))
+
+
+@pytest.mark.parametrize("top", [1e-44, 1e-40, 1e-37, 2.0 ** -119, 1e-30])
+def test_an_int8_cache_attends_with_a_tiny_query_as_with_zeros_or_its_value(top):
+    # a query vector whose largest value is tiny (denormal, or so small that
+    # max/127 is): no NaN from quantising it; below 2^-119 it reads as zeros
+    # (the scores then differ from the exact ones by under 2^-119 |k|)
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((20, 2, 32)).astype(np.float32)
+    v = rng.standard_normal((20, 2, 32)).astype(np.float32)
+    q = np.zeros((4, 32), np.float32)
+    q[:, 0] = top
+    q[1, 5] = -top
+    c = KvCache(2, 32, dtype="int8")
+    c.extend(k, v)
+    out = c.attend(q)
+    assert np.isfinite(out).all()
+    _check(out, reference(_st(k, "int8"), _st(v, "int8"), _q(q[None], "int8"))[0])
+    if top < 2.0 ** -119:
+        np.testing.assert_allclose(out, np.broadcast_to(_st(v, "int8").mean(0).repeat(2, 0), out.shape),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_a_query_that_sees_nothing_gets_zeros():

@@ -98,13 +98,17 @@ typedef struct {
 static const char *dt_name[] = {"f32", "f16", "bf16", "i8"};
 
 /* x (n values) as an int8 cache's kernel reads it: rint(x / s) * s, s =
-   max|x| / 127 in float32; all zero or non-finite: as is */
+   max|x| / 127 in float32; non-finite: as is; below 2^-119: zeros */
 static void quantise_like_the_kernel(float *x, int n)
 {
     float amax = 0, s;
     int d;
     for (d = 0; d < n; d++) amax = fabsf(x[d]) > amax || isnan(x[d]) ? fabsf(x[d]) : amax;
-    if (amax == 0 || !isfinite(amax)) return;
+    if (!isfinite(amax)) return;
+    if (amax < 0x1p-119f) {
+        for (d = 0; d < n; d++) x[d] = 0.0f;
+        return;
+    }
     s = amax / 127.0f;
     for (d = 0; d < n; d++) {
         float r = rintf(x[d] / s);
