@@ -10,7 +10,9 @@ Rules
     module has run, and removes itself.
   - threadpoolctl finds libraries by file name; the controller claims only
     the extension module that ferrox_kv imported (``ferrox_kv._core``), never
-    another package's ``_core`` module.
+    another package's ``_core`` module: it names a symbol only ferrox_kv's
+    core exports (``check_symbols``), and its constructor never raises on
+    another library (threadpoolctl before 3.8 does not catch that).
 """
 import os
 import sys
@@ -29,13 +31,12 @@ def _controller_class(threadpoolctl):
         user_api = "ferrox_kv"
         internal_api = "ferrox_kv"
         filename_prefixes = (os.path.basename(core).split(".")[0] + ".",)
+        # exported by Cython for the module ferrox_kv._core alone
+        check_symbols = ("__pyx_module_is_main_ferrox_kv___core",)
 
         def get_version(self):
-            # called by the constructor: refusing here (OSError) makes
-            # threadpoolctl skip a library that only shares the file name
-            if os.path.realpath(self.filepath) != core:
-                raise OSError(f"{self.filepath} is not ferrox_kv's core")
-            return ferrox_kv.__version__
+            # called by the constructor, for any library with the file name
+            return ferrox_kv.__version__ if os.path.realpath(self.filepath) == core else None
 
         def get_num_threads(self):
             return ferrox_kv.get_num_threads()

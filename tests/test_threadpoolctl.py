@@ -76,3 +76,27 @@ def test_either_import_order_registers_once_and_ferrox_kv_never_imports_it(order
     # lazy: ferrox_kv did not import threadpoolctl; one entry of 3 threads,
     # 1 inside the limit, 3 after it; the import finder removed itself
     assert out.stdout.split() == ["True", "1", "3", "1", "3", "0"]
+
+
+def test_another_packages_core_library_is_neither_claimed_nor_an_error(tmp_path):
+    # another extension named _core.<tag>.so, loaded in the same process:
+    # threadpoolctl lists ferrox_kv's core once, and the controller's
+    # constructor (which threadpoolctl before 3.8 does not guard) accepts
+    # the other library without raising
+    import ctypes
+    import subprocess as sp
+    import sysconfig
+
+    src = tmp_path / "other.c"
+    src.write_text("int other_core_function(void) { return 7; }\n")
+    lib = tmp_path / ("_core" + sysconfig.get_config_var("EXT_SUFFIX"))
+    sp.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    handle = ctypes.CDLL(str(lib))
+    assert handle.other_core_function() == 7
+    entries = _ours(threadpoolctl.threadpool_info())
+    assert [os.path.realpath(e["filepath"]) for e in entries] == [
+        os.path.realpath(ferrox_kv._core.__file__)]
+    (cls,) = [c for c in threadpoolctl._ALL_CONTROLLERS if c.internal_api == "ferrox_kv"]
+    other = cls(filepath=str(lib), prefix="_core.", parent=None)
+    assert other.version is None
+    assert not hasattr(other.dynlib, cls.check_symbols[0])
