@@ -15,6 +15,8 @@ import ferrox_kv
 from support.numerics import ArrayHook
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
 
+pytestmark = pytest.mark.usefixtures("young_gc")   # gc.collect() after every program
+
 H, D, BS = 2, 3, 4
 W = H * D
 ALLOWED = (ValueError, TypeError, KvPoolExhausted, MemoryError)   # MemoryError: a huge plan

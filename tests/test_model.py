@@ -3,6 +3,7 @@ after every step against a small pure-Python model of the same API."""
 import gc
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
@@ -10,6 +11,8 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes,
 
 from support.numerics import stored, values
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, push_layers
+
+pytestmark = pytest.mark.usefixtures("young_gc")   # gc.collect() after every program
 
 H, D, VD = 1, 3, 2
 KW, VW = H * D, H * VD
