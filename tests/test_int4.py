@@ -30,7 +30,8 @@ def q4(x, rotate):
     g = y.reshape(y.shape[:-1] + (d // 32, 32))
     amax = np.abs(g).max(-1, keepdims=True).astype(np.float32)
     s = (amax / np.float32(7)).astype(np.float16)
-    s = np.where((s > 0) & (amax / np.maximum(s.astype(np.float32), 1e-30) > 7), np.nextafter(s, np.float16(np.inf)), s).astype(np.float32)
+    up = (s > 0) & (amax / np.maximum(s.astype(np.float32), 1e-30) > 7)
+    s = np.where(up, np.nextafter(s, np.float16(np.inf)), s).astype(np.float32)
     with np.errstate(all="ignore"):
         q = np.where(s > 0, np.clip(np.rint(g / s), -7, 7), 0)
     back = (q * s).reshape(y.shape)
