@@ -140,12 +140,15 @@ cdef inline cnp.ndarray _f32(object x, str name):
 
 # -- storage dtypes ------------------------------------------------------------
 
-DTYPES = ("float32", "float16", "bfloat16", "int8")   # by FX_* code
+DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")   # the names dtype= takes
+# The name of each FX_* code: FX_I4 (int4, values as given) and FX_I4H
+# (int4 of Hadamard-rotated values) are both "int4"; rotate= tells them apart.
+DTYPE_OF_CODE = DTYPES + ("int4",)
 
 
 cdef int _dtype_code(object dtype, str name) except -1:
     """The FX_* code of a dtype given as a name ("float32", "float16",
-    "bfloat16", "int8"), a numpy dtype or scalar type (np.float32,
+    "bfloat16", "int8", "int4": rotated, FX_I4H, see _storage_code), a numpy dtype or scalar type (np.float32,
     np.float16, np.int8), or a torch dtype (torch.bfloat16, matched by name:
     the core does not import torch). Unknown: ValueError; not a dtype at
     all: TypeError."""
@@ -168,7 +171,8 @@ cdef int _dtype_code(object dtype, str name) except -1:
                 raise TypeError(f"{name} must be one of {', '.join(map(repr, DTYPES))} (or a "
                                 f"numpy / torch dtype of those), got {type(dtype).__name__}")
     try:
-        return DTYPES.index(key)
+        code = DTYPES.index(key)
+        return FX_I4H if code == FX_I4 else code
     except ValueError:
         raise ValueError(f"{name}={dtype!r} is not a storage dtype ferrox_kv has; accepted: "
                          f"{', '.join(map(repr, DTYPES))} (numpy's float32 / float16 / int8, "
@@ -178,7 +182,35 @@ cdef int _dtype_code(object dtype, str name) except -1:
 def _dtype_name(dtype, name="dtype"):
     """The storage dtype name of ``dtype`` as the pools and caches read it
     (for integrations that take a ``dtype=`` of their own)."""
-    return DTYPES[_dtype_code(dtype, name)]
+    return DTYPE_OF_CODE[_dtype_code(dtype, name)]
+
+
+def _dtype_label(int code):
+    """A dtype code's name for messages: int4 says whether it rotates."""
+    return ("int4 (rotate=False)" if code == FX_I4 else "int4 (rotate=True)" if code == FX_I4H
+            else DTYPE_OF_CODE[code])
+
+
+cdef int _storage_code(object dtype, object rotate, Py_ssize_t head_dim,
+                       Py_ssize_t v_head_dim) except -1:
+    """The FX_* code of ``dtype=`` with ``rotate=`` (None: int4 rotates,
+    nothing else does), checked against the head dims: int4 stores groups of
+    32 values along a head, so both must be multiples of 32. rotate=True
+    with another dtype is a ValueError (only int4 rows are rotated)."""
+    cdef int code = _dtype_code(dtype, "dtype")
+    if rotate is not None and not isinstance(rotate, (bool, np.bool_)):
+        raise TypeError(f"rotate must be True, False or None, got {type(rotate).__name__}")
+    if code == FX_I4H:
+        if rotate is not None and not rotate:
+            code = FX_I4
+        if head_dim % 32 or v_head_dim % 32:
+            raise ValueError(f"dtype='int4' needs head_dim and v_head_dim to be multiples of 32 "
+                             f"(int4 stores groups of 32 values along the head dim, one scale "
+                             f"each), got head_dim={head_dim}, v_head_dim={v_head_dim}")
+    elif rotate:
+        raise ValueError(f"rotate=True applies to dtype='int4' only (its rows are stored "
+                         f"Hadamard-rotated); dtype={DTYPE_OF_CODE[code]!r} stores rows as given")
+    return code
 
 
 cdef inline size_t _row_bytes(Py_ssize_t h, Py_ssize_t d, int dtype) noexcept nogil:

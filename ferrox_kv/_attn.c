@@ -119,6 +119,13 @@ FX_API const char *fx_attend_load_path(int dtype)
         return "int8: q.k as integers (query quantised, vpmaddubsw, compile-time), p.V widen x group scale";
 #endif
         return "int8: query quantised, widen x group scale";
+    case FX_I4: case FX_I4H:
+#if FX_ATTN_CLONES && FXA_HAVE_I8DOT
+        if (fxa_level() >= 3) return "int4: nibbles unpacked to int8, q.k as integers (query quantised, vpmaddubsw), p.V widen x group scale";
+#elif FXA_HAVE_I8DOT
+        return "int4: nibbles unpacked to int8, q.k as integers (query quantised, vpmaddubsw, compile-time), p.V widen x group scale";
+#endif
+        return "int4: query quantised, nibbles widened x group scale";
     default: return NULL;
     }
 }

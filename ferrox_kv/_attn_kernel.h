@@ -99,7 +99,7 @@
 
 /* Row pointers of one chunk (first byte of each K and V row); entries past
    the chunk's last row repeat it, so whole groups of (up to 12) rows can be
-   read without leaving the cache.  FX_I8: ks/vs point at each row's scales
+   read without leaving the cache.  FX_I8, FX_I4: ks/vs point at each row's scales
    converted to float (kv head g, group j at [g*groups + j]). */
 #define FX_CP (FX_C + 12)
 typedef struct {
@@ -107,7 +107,7 @@ typedef struct {
     const float *ks[FX_CP], *vs[FX_CP];
 } fxa_rows;
 
-/* Floats of the per-chunk scale buffer (FX_I8). */
+/* Floats of the per-chunk scale buffer (FX_I8, FX_I4). */
 #define FXA_SCALE_FLOATS(a) \
     ((size_t)FX_C * (size_t)(a)->n_kv_heads * (fx_i8_groups((a)->head_dim) + fx_i8_groups((a)->v_head_dim)))
 
@@ -131,11 +131,11 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
             if (++o == kv->block_size) { o = 0; b++; }
         }
     }
-    if (dt == FX_I8) {
+    if (FX_QUANT(dt)) {
         const size_t nk = (size_t)a->n_kv_heads * fx_i8_groups(a->head_dim);
         const size_t nv = (size_t)a->n_kv_heads * fx_i8_groups(a->v_head_dim);
-        const size_t kvals = (size_t)a->n_kv_heads * (size_t)a->head_dim;
-        const size_t vvals = (size_t)a->n_kv_heads * (size_t)a->v_head_dim;
+        const size_t kvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->head_dim, dt);
+        const size_t vvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->v_head_dim, dt);
         size_t j;
         /* 8 scales per vector conversion (exact, as fx_f16_to_f32): a row
            holds n_kv_heads * groups of them, 64 at 8 x 128 */
@@ -157,9 +157,9 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
     }
 }
 
-/* The int8 scale of row r's group holding dim d of the head whose scales
-   start at soff (0 for other dtypes). */
-#define FXA_SC(dt, s, r, soff, d) ((dt) == FX_I8 ? (s)[r][(soff) + ((size_t)(d) >> 5)] : 0.0f)
+/* The int8 / int4 scale of row r's group holding dim d of the head whose
+   scales start at soff (0 for other dtypes). */
+#define FXA_SC(dt, s, r, soff, d) (FX_QUANT(dt) ? (s)[r][(soff) + ((size_t)(d) >> 5)] : 0.0f)
 
 /* The width-dependent tiles (_attn_tile.h): fxa_qk_tile_8, fxa_pv_tile_8
    on 8-float vectors everywhere; fxa_qk_tile_16, fxa_pv_tile_16 on 16-float
@@ -202,15 +202,26 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
    times qf:  s[t*FX_CS + r] = qf_t * sum_j ks_rj * (qi_t . k_rj).
    GCC builtins rather than <immintrin.h> functions: they are checked where
    they are expanded (see _simd.h's rules).  A head dim that is not a
-   multiple of 32 ends with a scalar integer group. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(FX_VECEXT) \
+   multiple of 32 ends with a scalar integer group.  int4 rows (dt FX_I4,
+   head dims multiples of 32) take the same tile: each group's 16 bytes
+   unpack to 32 int8 lanes (low nibbles, then high ones, minus 8), and
+   |k| <= 7 keeps the pair sums further from saturation. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(FX_VECEXT) \
     && (FX_ATTN_CLONES || defined(__AVX2__))
 #define FXA_HAVE_I8DOT 1
 typedef char fxa_v32b __attribute__((vector_size(32)));
 typedef char fxa_v32bu __attribute__((vector_size(32), aligned(1), may_alias));
 typedef short fxa_v16s __attribute__((vector_size(32)));
+typedef unsigned char fxa_v16ubk __attribute__((vector_size(16)));
+typedef unsigned char fxa_v16ubku __attribute__((vector_size(16), aligned(1), may_alias));
+/* The 32 int8 values of an int4 group at byte p. */
+#define FXA_I4_GROUP32(p) __extension__({                                                              \
+    const fxa_v16ubk b_ = *(const fxa_v16ubku *)(const void *)(p);                                     \
+    (fxa_v32b)__builtin_shufflevector(b_ & 15, b_ >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, \
+                                      15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) - 8; })
 FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const float *qf, int hd,
-                              const char *const *k, const float *const *ks, size_t koff, size_t soff, float *s)
+                              const char *const *k, const float *const *ks, size_t koff, size_t soff, float *s,
+                              const int dt)
 {
     const int ng = hd / FX_I8_GROUP;
     const fxa_v16s ones = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
@@ -220,7 +231,8 @@ FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const 
     for (t = 0; t < 12; t++) acc[t] = fxa_splat(0.0f);
     for (j = 0; j < ng; j++)
         for (r = 0; r < R; r++) {
-            const fxa_v32b kv = *(const fxa_v32bu *)(const void *)(k[r] + koff + (size_t)j * FX_I8_GROUP);
+            const fxa_v32b kv = FX_IS_I4(dt) ? FXA_I4_GROUP32(k[r] + koff / 2 + (size_t)j * 16)
+                                             : (fxa_v32b)*(const fxa_v32bu *)(const void *)(k[r] + koff + (size_t)j * FX_I8_GROUP);
             const fxa_v32b ka = __builtin_ia32_pabsb256(kv);
             const fxa_v8 sc = fxa_splat(ks[r][soff + (size_t)j]);
             for (t = 0; t < T; t++) {
@@ -232,7 +244,7 @@ FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const 
         }
     fxa_hsum8x8(acc, sum);
     fxa_hsum4x8(acc + 8, sum + 8);
-    if (ng * FX_I8_GROUP < hd)
+    if (!FX_IS_I4(dt) && ng * FX_I8_GROUP < hd)
         for (r = 0; r < R; r++) {
             const int8_t *kr = (const int8_t *)(const void *)(k[r] + koff);
             const float sc = ks[r][soff + (size_t)ng];
@@ -385,9 +397,9 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
 #if FXA_HAVE_I8DOT
                 if (idot) {
                     const int8_t *qt = qi + (size_t)i0 * hd;
-                    if (T == 4) fxa_qk_tile_i8(4, 3, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
-                    else if (T == 2) fxa_qk_tile_i8(2, 6, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
-                    else fxa_qk_tile_i8(1, 12, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    if (T == 4) fxa_qk_tile_i8(4, 3, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                    else if (T == 2) fxa_qk_tile_i8(2, 6, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                    else fxa_qk_tile_i8(1, 12, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
                     continue;
                 }
 #endif
@@ -494,8 +506,8 @@ FX_INLINE void fxa_unpack_slice(float *dst, const char *row, const float *scales
         memcpy(dst, row + 4 * off, (size_t)hd * sizeof(float));
         return;
     }
-    for (; d + 8 <= hd; d += 8) fxa_store(dst + d, FXA_LD(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f));
-    for (; d < hd; d++) dst[d] = fxa_ld1(dt, row, off + (size_t)d, dt == FX_I8 ? scales[soff + ((size_t)d >> 5)] : 0.0f);
+    for (; d + 8 <= hd; d += 8) fxa_store(dst + d, FXA_LD(dt, row, off + (size_t)d, FX_QUANT(dt) ? scales[soff + ((size_t)d >> 5)] : 0.0f));
+    for (; d < hd; d++) dst[d] = fxa_ld1(dt, row, off + (size_t)d, FX_QUANT(dt) ? scales[soff + ((size_t)d >> 5)] : 0.0f);
 }
 
 FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kt, float *krow, float *vbuf,
@@ -604,6 +616,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
     const int hd = a->head_dim, dv = a->v_head_dim;
     const size_t ngk = fx_i8_groups(hd), ngv = fx_i8_groups(dv);
     const ptrdiff_t first = kv->len - a->q_len;
+    const int rot = kv->dtype == FX_I4H; /* FX_I4H: q rotated as K was, the output back as V was */
     float f;
     const float qscale = fxa_exp_scales(a->scale, &f);
     fxa_rows rows, packed;
@@ -638,8 +651,14 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                 for (pos = 0; pos < nq; pos++)
                     for (jj = 0; jj < G; jj++, i++) {
                         const float *src = q + ((size_t)(t0 + pos) * H + (size_t)(g0 + h) * G + jj) * hd;
-                        if (dt == FX_I8) fxa_quantise_q(src, hd, qscale, qs + (size_t)i * hd, qi + (size_t)i * hd, qf + i);
-                        else for (d = 0; d < hd; d++) qs[(size_t)i * hd + d] = src[d] * qscale;
+                        float *qv = qs + (size_t)i * hd;
+                        if (rot) { /* rotated like the stored K rows, in place */
+                            memcpy(qv, src, (size_t)hd * sizeof(float));
+                            fx_fwht(qv, hd, fx_hadamard_block(hd));
+                            src = qv;
+                        }
+                        if (FX_QUANT(dt)) fxa_quantise_q(src, hd, qscale, qv, qi + (size_t)i * hd, qf + i);
+                        else for (d = 0; d < hd; d++) qv[d] = src[d] * qscale;
                         mm[i] = FX_NEG_INF;
                         ll[i] = 0.0f;
                     }
@@ -701,6 +720,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                         float *dst = out + e * dv;
                         const float inv = a->ml ? 1.0f : vlo <= phi ? 1.0f / ll[i] : 0.0f;
                         for (d = 0; d < dv; d++) dst[d] = acc[(size_t)i * dv + d] * inv;
+                        if (rot) fx_fwht(dst, dv, fx_hadamard_block(dv)); /* V's rotation back (linear: partials too) */
                         if (a->ml) {
                             a->ml[2 * e] = mm[i];
                             a->ml[2 * e + 1] = ll[i];
@@ -733,12 +753,14 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
     FXA_INSTANCE(TARGET, name##_f16, f16, W, 0)                                                        \
     FXA_INSTANCE(TARGET, name##_bf16, FX_BF16, W, 0)                                                   \
     FXA_INSTANCE(TARGET, name##_i8, FX_I8, W, idot)                                                    \
+    FXA_INSTANCE(TARGET, name##_i4, FX_I4, W, idot)                                                    \
     FX_API void name(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch) \
     {                                                                                                  \
         switch (kv->dtype) {                                                                           \
         case FX_F16: name##_f16(kv, a, q, out, scratch); break;                                        \
         case FX_BF16: name##_bf16(kv, a, q, out, scratch); break;                                      \
         case FX_I8: name##_i8(kv, a, q, out, scratch); break;                                          \
+        case FX_I4: case FX_I4H: name##_i4(kv, a, q, out, scratch); break;                             \
         default: name##_f32(kv, a, q, out, scratch); break;                                            \
         }                                                                                              \
     }

@@ -68,8 +68,8 @@ cdef int _check_same_geometry(tuple cl, str what) except -1:
         if ci.c.kw != c0.c.kw or ci.c.vw != c0.c.vw or ci.head_dim != c0.head_dim:
             raise ValueError(f"{what}[{i}] has another geometry than {what}[0]")
         if ci.c.dtype != c0.c.dtype:
-            raise ValueError(f"{what}[{i}] stores {DTYPES[ci.c.dtype]} and {what}[0] stores "
-                             f"{DTYPES[c0.c.dtype]}: one call takes caches of one dtype "
+            raise ValueError(f"{what}[{i}] stores {_dtype_label(ci.c.dtype)} and {what}[0] stores "
+                             f"{_dtype_label(c0.c.dtype)}: one call takes caches of one dtype "
                              "(split the call by dtype)")
     return 0
 

@@ -220,9 +220,9 @@ cdef inline void _leave(KvCache self) noexcept:
 
 cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
     if c.c.dtype != pool.p.dtype:
-        raise ValueError(f"dtype={DTYPES[c.c.dtype]!r} does not match the pool's dtype "
-                         f"{pool.dtype!r}: a pooled cache stores what its pool stores "
-                         "(leave dtype out to take the pool's)")
+        raise ValueError(f"dtype={_dtype_label(c.c.dtype)!r} does not match the pool's dtype "
+                         f"{_dtype_label(pool.p.dtype)!r}: a pooled cache stores what its pool "
+                         "stores (leave dtype out to take the pool's)")
     if (c.n_kv_heads, c.head_dim, c.v_head_dim) != (
             pool.n_kv_heads, pool.head_dim, pool.v_head_dim):
         raise ValueError(
@@ -245,6 +245,8 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     cdef KvCache proto = KvCache.__new__(KvCache)
     proto._set_geometry(n_kv_heads, head_dim, v_head_dim,
                         pool.dtype if dtype is None else dtype)
+    if proto.c.dtype == FX_I4H and pool.p.dtype == FX_I4:
+        proto.c.dtype = FX_I4      # "int4" takes the pool's rotate= (the same row bytes)
     cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
     _check_pool_geometry(proto, pool)
     cdef Pool* p = pool.p

@@ -2,7 +2,7 @@
 
 @cython.no_gc_clear
 cdef class KvCache:
-    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32")
+    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32", rotate=None)
 --
 
 K and V rows of one sequence in one layer.
@@ -11,9 +11,10 @@ K and V rows of one sequence in one layer.
     ``KvCache.with_capacity`` pre-allocates a plan;
     ``KvCache.with_pool`` draws fixed-size blocks from a shared
     ``KvBlockPool``, reserving its worst case up front. ``dtype`` is the
-    storage: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or
-    ``"int8"`` (docs/precision.md); input rows are converted to it inside
-    the copy loop.
+    storage: ``"float32"`` (default), ``"float16"``, ``"bfloat16"``,
+    ``"int8"`` or ``"int4"`` (docs/precision.md); input rows are converted to
+    it inside the copy loop. ``rotate`` applies to int4 (``KvBlockPool``
+    says what it does; a pooled cache takes its pool's).
 
     A cache is not meant to be used from two threads at once: a method call
     that finds another call on the same cache in progress raises
@@ -36,14 +37,14 @@ K and V rows of one sequence in one layer.
                 "v_head_dim is keyword-only (v_head_dim=...)")
 
     def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None,
-                 dtype="float32"):
+                 dtype="float32", rotate=None):
         _require(type(self).__name__, ("n_kv_heads", "head_dim"), (n_kv_heads, head_dim))
         if not fx_try_claim(&self.c.busy):
             raise RuntimeError(_BUSY)
         try:
             if self.c.state != STATE_NEW:
                 raise ValueError("KvCache.__init__ called on a cache that is already set up")
-            self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype)
+            self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype, rotate)
         finally:
             _leave(self)
 
@@ -51,11 +52,11 @@ K and V rows of one sequence in one layer.
         # Only C state: give the blocks back (exactly once) and drop the pool.
         cache_detach(&self.c)
 
-    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim, dtype) except -1:
+    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim, dtype, rotate=None) except -1:
         cdef Py_ssize_t h = _count(n_kv_heads, "n_kv_heads", 1)
         cdef Py_ssize_t d = _count(head_dim, "head_dim", 1)
         cdef Py_ssize_t vd = d if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
-        cdef int code = _dtype_code(dtype, "dtype")
+        cdef int code = _storage_code(dtype, rotate, d, vd)
         _checked_bytes("n_kv_heads * head_dim", h, d, 1)
         _checked_bytes("n_kv_heads * v_head_dim", h, vd, 1)
         if h > INT32_MAX or d > INT32_MAX or vd > INT32_MAX:
@@ -91,11 +92,12 @@ K and V rows of one sequence in one layer.
     # -- constructors -------------------------------------------------------
 
     @staticmethod
-    def with_capacity(n_kv_heads, head_dim, max_seq_len, *, v_head_dim=None, dtype="float32"):
+    def with_capacity(n_kv_heads, head_dim, max_seq_len, *, v_head_dim=None, dtype="float32",
+                      rotate=None):
         """A cache with ``max_seq_len`` rows pre-allocated: pushes within the
         plan never reallocate. Pushing past the plan still works (it grows)."""
         cdef KvCache self = KvCache.__new__(KvCache)
-        self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype)
+        self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype, rotate)
         cdef Py_ssize_t plan = _count(max_seq_len, "max_seq_len", 0)
         self._set_rows(_rows_new(plan, &self.c))
         self.c.plan = plan
@@ -179,8 +181,13 @@ K and V rows of one sequence in one layer.
     @property
     def dtype(self):
         """The storage dtype, as a name: ``"float32"``, ``"float16"``,
-        ``"bfloat16"`` or ``"int8"`` (what ``dtype=`` takes back)."""
-        return DTYPES[self.c.dtype]
+        ``"bfloat16"``, ``"int8"`` or ``"int4"`` (what ``dtype=`` takes back)."""
+        return DTYPE_OF_CODE[self.c.dtype]
+
+    @property
+    def rotate(self):
+        """Whether rows are stored Hadamard-rotated (int4 with rotate on)."""
+        return self.c.dtype == FX_I4H
 
     @property
     def closed(self):
@@ -218,13 +225,14 @@ K and V rows of one sequence in one layer.
     cdef object _rows_view(self, bint want_v):
         """(seq_len, n_kv_heads, dim) array of K or V: float32 and float16
         caches give a read-only view of the contiguous buffer, or a gathered
-        copy when pooled; bfloat16 and int8 caches a float32 copy of the
-        values (dequantised). Cache claimed."""
+        copy when pooled; bfloat16, int8 and int4 caches a float32 copy of
+        the values (dequantised, rotated back). Cache claimed."""
         cdef cnp.npy_intp dims[3]
         cdef Py_ssize_t n = self.c.len
         cdef void* data
         cdef cnp.ndarray arr
-        cdef bint values = self.c.dtype == FX_BF16 or self.c.dtype == FX_I8
+        cdef bint values = (self.c.dtype == FX_BF16 or self.c.dtype == FX_I8 or self.c.dtype == FX_I4
+                            or self.c.dtype == FX_I4H)
         cdef int typ = cnp.NPY_FLOAT16 if self.c.dtype == FX_F16 else cnp.NPY_FLOAT32
         if self.c.state == STATE_NEW:
             raise ValueError(_NEW)
@@ -272,7 +280,7 @@ K and V rows of one sequence in one layer.
     @property
     def k(self):
         """K rows, shape ``(seq_len, n_kv_heads, head_dim)``: float32 for
-        float32, bfloat16 and int8 caches, float16 for float16 caches.
+        float32, bfloat16, int8 and int4 caches, float16 for float16 caches.
 
         Contiguous float32 / float16 caches: a read-only zero-copy view that
         keeps its buffer alive; if the cache later grows into a new buffer the
@@ -280,8 +288,10 @@ K and V rows of one sequence in one layer.
         ``truncate`` show through. Pooled caches: a fresh contiguous copy
         gathered from the blocks (GIL released for large gathers); attention
         should read the blocks in place with ``attend`` instead. bfloat16 and
-        int8 caches (numpy has no bfloat16; int8 rows carry scales): a fresh
-        float32 copy of the values, dequantised. Closed caches: empty.
+        int8 and int4 caches (numpy has no bfloat16; int8 / int4 rows carry
+        scales): a fresh float32 copy of the values, dequantised (int4 with
+        rotation: rotated back, so what was pushed up to the quantisation
+        error). Closed caches: empty.
         """
         return self._claimed_view(False)
 

@@ -59,6 +59,8 @@ FX_CLONES void fx_rows_from_f32(void *dst, size_t dst_row, const float *src, siz
 #endif
     case FX_BF16: FX_ROWS_FROM(FX_BF16)
     case FX_I8: FX_ROWS_FROM(FX_I8)
+    case FX_I4: FX_ROWS_FROM(FX_I4)
+    case FX_I4H: FX_ROWS_FROM(FX_I4H)
     }
 }
 #undef FX_ROWS_FROM
@@ -78,6 +80,8 @@ FX_CLONES void fx_rows_to_f32(float *dst, size_t dst_row_floats, const void *src
     case FX_F16: FX_ROWS_TO(FX_F16)
     case FX_BF16: FX_ROWS_TO(FX_BF16)
     case FX_I8: FX_ROWS_TO(FX_I8)
+    case FX_I4: FX_ROWS_TO(FX_I4)
+    case FX_I4H: FX_ROWS_TO(FX_I4H)
 #undef FX_ROWS_TO
     }
 }
@@ -99,6 +103,8 @@ FX_CLONES void fx_rows_from_half(void *dst, size_t dst_row, const uint16_t *src,
         case FX_F16: FX_ROWS_HALF(FX_F16, FX_F16)
         case FX_BF16: FX_ROWS_HALF(FX_F16, FX_BF16)
         case FX_I8: FX_ROWS_HALF(FX_F16, FX_I8)
+        case FX_I4: FX_ROWS_HALF(FX_F16, FX_I4)
+        case FX_I4H: FX_ROWS_HALF(FX_F16, FX_I4H)
         }
     } else if (src_dtype == FX_BF16) {
         switch (dtype) {
@@ -106,6 +112,8 @@ FX_CLONES void fx_rows_from_half(void *dst, size_t dst_row, const uint16_t *src,
         case FX_F16: FX_ROWS_HALF(FX_BF16, FX_F16)
         case FX_BF16: FX_ROWS_HALF(FX_BF16, FX_BF16)
         case FX_I8: FX_ROWS_HALF(FX_BF16, FX_I8)
+        case FX_I4: FX_ROWS_HALF(FX_BF16, FX_I4)
+        case FX_I4H: FX_ROWS_HALF(FX_BF16, FX_I4H)
         }
     }
 #undef FX_ROWS_HALF

@@ -55,6 +55,8 @@ cdef extern from "_fx.h" nogil:
         FX_F16
         FX_BF16
         FX_I8
+        FX_I4                 # int4, values as given
+        FX_I4H                # int4 of Hadamard-rotated values (rotate=True)
     size_t fx_row_bytes(int n_heads, int head_dim, int dtype)
     void fx_rows_from_f32(void* dst, size_t dst_row, const float* src, size_t src_row_floats,
                           Py_ssize_t n_rows, int n_heads, int head_dim, int dtype)
@@ -409,7 +411,7 @@ cdef class KvCache:
     cdef readonly Py_ssize_t n_kv_heads
     cdef readonly Py_ssize_t head_dim
     cdef readonly Py_ssize_t v_head_dim
-    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim, dtype) except -1
+    cdef int _set_geometry(self, n_kv_heads, head_dim, v_head_dim, dtype, rotate=*) except -1
     cdef void _copy_geometry(self, KvCache other) noexcept
     cdef void _set_rows(self, _Rows r) noexcept
     cdef object _rows_view(self, bint want_v)

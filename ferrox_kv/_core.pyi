@@ -16,7 +16,7 @@ _Salt = str | bytes | int | None
 _DType = str | type[np.generic] | np.dtype[Any] | Any
 _KV = npt.NDArray[Any]            # float32, or float16 for a float16 cache
 
-DTYPES: tuple[str, str, str, str]
+DTYPES: tuple[str, str, str, str, str]
 
 def build_info() -> dict[str, str]: ...
 def gil_release_threshold() -> int: ...
@@ -42,6 +42,7 @@ class KvBlockPool:
         v_head_dim: int | None = None,
         prefix_cache: bool = False,
         dtype: _DType = "float32",
+        rotate: bool | None = None,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -65,6 +66,8 @@ class KvBlockPool:
     def block_bytes(self) -> int: ...
     @property
     def dtype(self) -> str: ...
+    @property
+    def rotate(self) -> bool: ...
     @property
     def key_blocks(self) -> npt.NDArray[Any]: ...
     @property
@@ -115,11 +118,13 @@ class KvCache:
     def __init__(
         self, n_kv_heads: int, head_dim: int, *, v_head_dim: int | None = None,
         dtype: _DType = "float32",
+        rotate: bool | None = None,
     ) -> None: ...
     @staticmethod
     def with_capacity(
         n_kv_heads: int, head_dim: int, max_seq_len: int, *, v_head_dim: int | None = None,
         dtype: _DType = "float32",
+        rotate: bool | None = None,
     ) -> KvCache: ...
     @staticmethod
     def with_pool(
@@ -154,6 +159,8 @@ class KvCache:
     def v_head_dim(self) -> int: ...
     @property
     def dtype(self) -> str: ...
+    @property
+    def rotate(self) -> bool: ...
     @property
     def seq_len(self) -> int: ...
     @property

@@ -22,7 +22,7 @@ class KvPoolExhausted(Exception):
 
 cdef class KvBlockPool:
     """KvBlockPool(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None,
-               prefix_cache=False, dtype="float32")
+               prefix_cache=False, dtype="float32", rotate=None)
 --
 
 A bounded pool of fixed-size KV blocks shared by every cache of a process.
@@ -30,9 +30,15 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     A block holds ``block_size`` positions of one layer's K rows
     (``n_kv_heads * head_dim`` values each) and V rows
     (``n_kv_heads * v_head_dim``), stored as ``dtype``: ``"float32"`` (the
-    default), ``"float16"``, ``"bfloat16"`` or ``"int8"`` (with one float16
-    scale per 32 values of each head, inside the row; see
-    docs/precision.md). The pool owns one K arena and one V arena of
+    default), ``"float16"``, ``"bfloat16"``, ``"int8"`` (with one float16
+    scale per 32 values of each head, inside the row) or ``"int4"`` (4-bit
+    values, the same scales: 4.5 bits per value; head dims multiples of 32);
+    see docs/precision.md. ``rotate`` applies to int4 only: ``None`` or
+    ``True`` (the default for int4) stores each head's K and V values
+    rotated by an orthonormal Hadamard transform before quantising (attend
+    rotates queries and outputs to match, ``.k``/``.v`` read back un-rotated),
+    which spreads outlier channels over the group; ``False`` stores them as
+    given. ``rotate=True`` with another dtype is a ``ValueError``. The pool owns one K arena and one V arena of
     ``total_blocks`` blocks, allocated so that untouched blocks cost no
     physical memory. Block ids and their reference counts move under one
     native mutex, held only while ids move. ``free_blocks`` is the
@@ -43,7 +49,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
 
     def __cinit__(self, block_size=_MISSING, total_blocks=_MISSING, n_kv_heads=_MISSING,
                   head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False,
-                  dtype="float32"):
+                  dtype="float32", rotate=None):
         self.p = NULL
         _require("KvBlockPool", ("block_size", "total_blocks", "n_kv_heads", "head_dim"),
                  (block_size, total_blocks, n_kv_heads, head_dim))
@@ -54,7 +60,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         cdef Py_ssize_t d = _count(head_dim, "head_dim", 1)
         cdef Py_ssize_t vd = d if v_head_dim is None else _count(v_head_dim, "v_head_dim", 1)
         cdef bint with_prefix = bool(prefix_cache)
-        cdef int code = _dtype_code(dtype, "dtype")
+        cdef int code = _storage_code(dtype, rotate, d, vd)
         if total > INT32_MAX:
             raise ValueError(f"total_blocks must be <= {INT32_MAX}, got {total}")
         _checked_bytes("block_size * n_kv_heads * head_dim", bs, h, d)
@@ -75,7 +81,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
 
     def __init__(self, block_size=_MISSING, total_blocks=_MISSING, n_kv_heads=_MISSING,
                  head_dim=_MISSING, *, v_head_dim=None, prefix_cache=False,
-                 dtype="float32"):
+                 dtype="float32", rotate=None):
         pass    # all done in __cinit__; here so that the signature is introspectable
 
     def __reduce__(self):
@@ -130,8 +136,14 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     @property
     def dtype(self):
         """The storage dtype, as a name: ``"float32"``, ``"float16"``,
-        ``"bfloat16"`` or ``"int8"``."""
-        return DTYPES[self.p.dtype]
+        ``"bfloat16"``, ``"int8"`` or ``"int4"``."""
+        return DTYPE_OF_CODE[self.p.dtype]
+
+    @property
+    def rotate(self):
+        """Whether rows are stored Hadamard-rotated (int4 with rotate on;
+        False for every other dtype)."""
+        return self.p.dtype == FX_I4H
 
     def stats(self):
         """A consistent snapshot of the pool's counters, as a dict.
@@ -190,18 +202,22 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     cdef object _arena_view(self, char* base, Py_ssize_t dim, size_t row, bint scales):
         """A read-only view of an arena (keeps the pool alive): the values,
         shape (total_blocks, block_size, n_kv_heads, dim), or with ``scales``
-        an int8 arena's scales, (total_blocks, block_size, n_kv_heads,
-        ceil(dim / 32)) float16. Strided: rows are ``row`` bytes apart."""
+        an int8 / int4 arena's scales, (total_blocks, block_size, n_kv_heads,
+        ceil(dim / 32)) float16. int4 values: uint8, two per byte (dim // 2
+        bytes per head, FORMAT.md's layout). Strided: rows are ``row`` bytes
+        apart."""
         cdef Pool* p = self.p
-        cdef int typ = (cnp.NPY_FLOAT32, cnp.NPY_FLOAT16, cnp.NPY_UINT16, cnp.NPY_INT8)[p.dtype]
-        cdef Py_ssize_t item = 4 if p.dtype == FX_F32 else (1 if p.dtype == FX_I8 else 2)
-        cdef Py_ssize_t last = dim
+        cdef bint i4 = p.dtype == FX_I4 or p.dtype == FX_I4H
+        cdef int typ = (cnp.NPY_FLOAT32, cnp.NPY_FLOAT16, cnp.NPY_UINT16, cnp.NPY_INT8,
+                        cnp.NPY_UINT8, cnp.NPY_UINT8)[p.dtype]
+        cdef Py_ssize_t item = 4 if p.dtype == FX_F32 else (1 if p.dtype == FX_I8 or i4 else 2)
+        cdef Py_ssize_t last = dim // 2 if i4 else dim
         cdef char* data = base
         if scales:
             typ = cnp.NPY_FLOAT16
             item = 2
+            data = base + <size_t>p.nh * <size_t>last
             last = (dim + 31) // 32
-            data = base + <size_t>p.nh * <size_t>dim
         cdef cnp.npy_intp n = <cnp.npy_intp>(<size_t>p.total * p.block_size * row)
         cdef cnp.ndarray raw = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, base)
         cnp.set_array_base(raw, self)          # the view keeps the pool alive
@@ -221,7 +237,9 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         ``key_blocks[cache.block_table[r // block_size], r % block_size]``.
         Its dtype: float32 / float16 for those pools, ``uint16`` (the raw
         bfloat16 bits: ``(x.astype(np.uint32) << 16).view(np.float32)``) for
-        bfloat16, int8 for int8 (dequantise with ``key_scales``)."""
+        bfloat16, int8 for int8 (dequantise with ``key_scales``); int4: uint8,
+        shape ``(..., head_dim // 2)``, two values per byte as FORMAT.md lays
+        them out (rotated when ``rotate``)."""
         return self._arena_view(self.p.k_arena, self.head_dim, self.p.k_row, False)
 
     @property
@@ -232,18 +250,18 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
 
     @property
     def key_scales(self):
-        """An int8 pool's K scales, read-only float16 view shaped
+        """An int8 or int4 pool's K scales, read-only float16 view shaped
         ``(total_blocks, block_size, n_kv_heads, ceil(head_dim / 32))``: value
-        ``i`` of a head is ``key_blocks[..., i] * key_scales[..., i // 32]``.
+        ``i`` of an int8 head is ``key_blocks[..., i] * key_scales[..., i // 32]``.
         None for the other dtypes."""
-        if self.p.dtype != FX_I8:
+        if self.p.dtype != FX_I8 and self.p.dtype != FX_I4 and self.p.dtype != FX_I4H:
             return None
         return self._arena_view(self.p.k_arena, self.head_dim, self.p.k_row, True)
 
     @property
     def value_scales(self):
-        """An int8 pool's V scales (as ``key_scales``); None otherwise."""
-        if self.p.dtype != FX_I8:
+        """An int8 or int4 pool's V scales (as ``key_scales``); None otherwise."""
+        if self.p.dtype != FX_I8 and self.p.dtype != FX_I4 and self.p.dtype != FX_I4H:
             return None
         return self._arena_view(self.p.v_arena, self.v_head_dim, self.p.v_row, True)
 
@@ -466,5 +484,6 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
                 f"total_blocks={self.p.total}, n_kv_heads={self.n_kv_heads}, "
                 f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}"
                 f"{', prefix_cache=True' if self.p.prefix != NULL else ''}"
-                f"{'' if self.p.dtype == FX_F32 else ', dtype=%r' % self.dtype}, "
+                f"{'' if self.p.dtype == FX_F32 else ', dtype=%r' % self.dtype}"
+                f"{', rotate=False' if self.p.dtype == FX_I4 else ''}, "
                 f"free_blocks={self.free_blocks})")

@@ -198,6 +198,17 @@ typedef int16_t fxa_v8w __attribute__((vector_size(16)));
     (__builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const fxa_v8b *)(const void *)(p), \
                                                                              fxa_v8w), fxa_v8i), fxa_v8) *      \
      fxa_splat(sc))
+/* int4 (_conv.h's layout): the 8 values at value offset e (a multiple
+   of 8) are the low or the high nibbles of 8 bytes of their group, each
+   minus 8, times the group's scale. */
+typedef uint8_t fxa_v8ub __attribute__((vector_size(8)));
+typedef uint8_t fxa_v8ubu __attribute__((vector_size(8), aligned(1), may_alias));
+#define fxa_load_i4(row, e, sc) __extension__({                                                      \
+    const size_t e4_ = (e);                                                                         \
+    const fxa_v8ub b4_ = *(const fxa_v8ubu *)(const void *)((row) + (e4_ >> 5) * 16 + (e4_ & 15));  \
+    const fxa_v8ub n4_ = (e4_ & 16) ? (fxa_v8ub)(b4_ >> 4) : (fxa_v8ub)(b4_ & 15);                   \
+    __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(n4_, fxa_v8w), fxa_v8i) - 8, \
+                            fxa_v8) * fxa_splat(sc); })
 /* float16, exact, as fx_f16_to_f32 */
 #define fxa_load_f16(p) __extension__({                                                              \
     const fxa_v8i x_ = __builtin_convertvector(*(const fxa_v8h *)(const void *)(p), fxa_v8i);          \
@@ -239,6 +250,15 @@ typedef int8_t fxa_v16b __attribute__((vector_size(16), aligned(1), may_alias));
     (__builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const fxa_v16b *)(const void *)(p), \
                                                                              fxa_v16w), fxa_v16i), fxa_v16) *    \
      fxa16_splat(sc))
+typedef uint8_t fxa_v16ub __attribute__((vector_size(16)));
+typedef uint8_t fxa_v16ubu __attribute__((vector_size(16), aligned(1), may_alias));
+/* int4: the 16 values at value offset e (a multiple of 16), as fxa_load_i4 */
+#define fxa16_load_i4(row, e, sc) __extension__({                                                       \
+    const size_t e16_ = (e);                                                                           \
+    const fxa_v16ub b16_ = *(const fxa_v16ubu *)(const void *)((row) + (e16_ >> 5) * 16);              \
+    const fxa_v16ub n16_ = (e16_ & 16) ? (fxa_v16ub)(b16_ >> 4) : (fxa_v16ub)(b16_ & 15);               \
+    __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(n16_, fxa_v16w), fxa_v16i) - 8, \
+                            fxa_v16) * fxa16_splat(sc); })
 #define fxa16_load_f16(p) FX_JOIN16(fxa_load_f16(p), fxa_load_f16((p) + 16))
 #define fxa16_load_f16c(p) FX_JOIN16(fxa_load_f16c(p), fxa_load_f16c((p) + 16))
 #else
@@ -266,13 +286,21 @@ FX_INLINE fxa_v8 fxa_exp2(fxa_v8 y) { int i; for (i = 0; i < 8; i++) y.x[i] = fx
 FX_INLINE fxa_v8 fxa_load_bf16(const char *p) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = fx_bf16_to_f32(fx_ld16(p + 2 * i)); return v; }
 FX_INLINE fxa_v8 fxa_load_f16(const char *p) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = fx_f16_to_f32(fx_ld16(p + 2 * i)); return v; }
 FX_INLINE fxa_v8 fxa_load_i8(const char *p, float sc) { fxa_v8 v; int i; for (i = 0; i < 8; i++) v.x[i] = (float)((const int8_t *)p)[i] * sc; return v; }
+FX_INLINE fxa_v8 fxa_load_i4(const char *row, size_t e, float sc)
+{
+    const unsigned char *b = (const unsigned char *)row + (e >> 5) * 16 + (e & 15);
+    fxa_v8 v;
+    int i;
+    for (i = 0; i < 8; i++) v.x[i] = (float)((int)((e & 16) ? b[i] >> 4 : b[i] & 15) - 8) * sc;
+    return v;
+}
 #define FXA_HAVE_F16C 0
 #define fxa_load_f16c(p) fxa_load_f16(p)
 #define FXA_HAVE_W16 0
 #endif
 
 /* The loads of the kernel: 8 values (FXA_LD), 16 (FXA_LD16) or one (fxa_ld1) at value
-   offset e of a row; sc: the int8 group's scale.  dt is a constant in every
+   offset e of a row; sc: the int8 / int4 group's scale.  dt is a constant in every
    instantiation, so each load compiles to its dtype's instructions alone.
    FXA_F16C: float16 read by F16C (only in code built for x86-64-v3). */
 #define FXA_F16C FX_F16C
@@ -280,11 +308,13 @@ FX_INLINE fxa_v8 fxa_load_i8(const char *p, float sc) { fxa_v8 v; int i; for (i 
     ((dt) == FX_F32 ? fxa_load_f32((const float *)(const void *)(row) + (e))                         \
      : (dt) == FX_BF16 ? fxa_load_bf16((row) + 2 * (size_t)(e))                                  \
      : (dt) == FX_I8 ? fxa_load_i8((row) + (e), (sc))                                            \
+     : FX_IS_I4(dt) ? fxa_load_i4((row), (size_t)(e), (sc))                                      \
      : (dt) == FXA_F16C ? fxa_load_f16c((row) + 2 * (size_t)(e)) : fxa_load_f16((row) + 2 * (size_t)(e)))
 #define FXA_LD16(dt, row, e, sc)                                                                 \
     ((dt) == FX_F32 ? fxa16_load_f32((const float *)(const void *)(row) + (e))                       \
      : (dt) == FX_BF16 ? fxa16_load_bf16((row) + 2 * (size_t)(e))                                \
      : (dt) == FX_I8 ? fxa16_load_i8((row) + (e), (sc))                                          \
+     : FX_IS_I4(dt) ? fxa16_load_i4((row), (size_t)(e), (sc))                                    \
      : (dt) == FXA_F16C ? fxa16_load_f16c((row) + 2 * (size_t)(e)) : fxa16_load_f16((row) + 2 * (size_t)(e)))
 FX_INLINE float fxa_ld1(const int dt, const char *row, size_t e, float sc)
 {
@@ -293,6 +323,10 @@ FX_INLINE float fxa_ld1(const int dt, const char *row, size_t e, float sc)
     case FX_F32: memcpy(&x, row + 4 * e, 4); return x;
     case FX_BF16: return fx_bf16_to_f32(fx_ld16(row + 2 * e));
     case FX_I8: return (float)((const int8_t *)row)[e] * sc;
+    case FX_I4: case FX_I4H: {
+        const unsigned char b = ((const unsigned char *)row)[(e >> 5) * 16 + (e & 15)];
+        return (float)((int)((e & 16) ? b >> 4 : b & 15) - 8) * sc;
+    }
     default: return fx_f16_to_f32(fx_ld16(row + 2 * e));
     }
 }

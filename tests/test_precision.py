@@ -65,7 +65,7 @@ def test_repr_names_a_reduced_dtype():
     assert "dtype" not in repr(KvBlockPool(4, 2, 1, 8))
 
 
-@pytest.mark.parametrize("bad", ["float64", "fp16", "int4", np.float64, np.int32, "Float16",
+@pytest.mark.parametrize("bad", ["float64", "fp16", "int2", np.float64, np.int32, "Float16",
                                  "half", "f2", "e"])
 def test_an_unknown_dtype_is_a_value_error_that_lists_what_is_accepted(bad):
     for make in (lambda: KvBlockPool(4, 2, 1, 8, dtype=bad), lambda: KvCache(1, 8, dtype=bad),

@@ -57,7 +57,7 @@ def test_export_holds_and_releases():
     assert k.shape == (6, 2, BS, pool.block_bytes // BS // 2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int4"])
 def test_save_load_fresh_pool(tmp_path, dtype):
     pool, rows_a, rows_b = _warm(dtype)
     path = tmp_path / "prefixes.fxkv"

@@ -76,9 +76,15 @@ def row_bytes(n_kv_heads: int, head_dim: int, dtype: str) -> int:
     owns the storage dtypes (``DTYPES``) and this size (``fx_row_bytes``); the
     store asks it (at call time: the store imports no core at module level)."""
     from ferrox_kv import _core
-    if dtype not in _core.DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_core.DTYPES)}, got {dtype!r}")
-    return _core._stored_row_bytes(n_kv_heads, head_dim, dtype)
+    if dtype != INT4_PLAIN and dtype not in _core.DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_core.DTYPES) + [INT4_PLAIN]}, got {dtype!r}")
+    return _core._stored_row_bytes(n_kv_heads, head_dim, "int4" if dtype == INT4_PLAIN else dtype)
+
+
+# The dtype name of int4 rows stored without the rotation (a pool with
+# rotate=False): "int4" alone names rotated rows, so that a file's rotation
+# must match the reader's (StoreMismatch on the field dtype).
+INT4_PLAIN = "int4.norot"
 
 
 class Geometry(NamedTuple):
@@ -114,6 +120,8 @@ class Geometry(NamedTuple):
         """The geometry of ``n_layers``-layer entries of ``pool`` (its dtype
         attribute's name, float32 where it has none)."""
         dtype = getattr(pool, "dtype", "float32")
+        if dtype == "int4" and not getattr(pool, "rotate", True):
+            dtype = INT4_PLAIN
         return cls(pool.block_size, n_layers, pool.n_kv_heads, pool.head_dim,
                    pool.v_head_dim, str(dtype)).check()
 

@@ -81,7 +81,7 @@ static int canary_ok(const float *p, size_t n, int pad)
 enum { INJ_NONE, INJ_Q, INJ_K, INJ_V, INJ_K_HEAD }; /* what run_case poisons with tcase.inj_val */
 
 typedef struct {
-    int dt;           /* FX_F32 ... FX_I8 */
+    int dt;           /* FX_F32 ... FX_I4H */
     int inj;          /* INJ_*: q (last query, head 0, dim 0), one K / V row (kv head 0, dim 0), or dim 0 of every K row of kv head 0 */
     float inj_val;
     ptrdiff_t inj_row;
@@ -95,7 +95,7 @@ typedef struct {
     float scale;      /* 0: 1/sqrt(hd) */
 } tcase;
 
-static const char *dt_name[] = {"f32", "f16", "bf16", "i8"};
+static const char *dt_name[] = {"f32", "f16", "bf16", "i8", "i4", "i4h"};
 
 /* x (n values) as an int8 cache's kernel reads it: rint(x / s) * s, s =
    max|x| / 127 in float32; non-finite: as is; below 2^-119: zeros */
@@ -127,7 +127,7 @@ static int run_case(const tcase *tc, const char *what)
 {
     const int H = tc->H, Hkv = tc->Hkv, G = H / Hkv, hd = tc->hd, dv = tc->dv, dt = tc->dt;
     const ptrdiff_t len = tc->len, ql = tc->q_len;
-    const int esz = dt == FX_F32 ? 4 : dt == FX_I8 ? 1 : 2;
+    const int esz = dt == FX_F32 ? 4 : FX_QUANT(dt) ? 1 : 2;
     fx_kv kv;
     fx_attn_args a;
     /* float rows (the reference's) and stored rows (the kernel's), same row order */
@@ -141,12 +141,13 @@ static int run_case(const tcase *tc, const char *what)
     int ok = 1;
     ptrdiff_t t;
 
+    if (FX_IS_I4(dt) && (hd % FX_I8_GROUP || dv % FX_I8_GROUP)) return 1; /* int4 needs whole groups */
     if (tc->bs == 0) {
         k_row += (size_t)tc->row_pad;
         v_row += (size_t)tc->row_pad;
-        /* int8: an odd pad, so that rows (and their scales) are unaligned */
-        kb_row += (size_t)tc->row_pad * (size_t)esz + (dt == FX_I8 && tc->row_pad ? 1 : 0);
-        vb_row += (size_t)tc->row_pad * (size_t)esz + (dt == FX_I8 && tc->row_pad ? 1 : 0);
+        /* int8, int4: an odd pad, so that rows (and their scales) are unaligned */
+        kb_row += (size_t)tc->row_pad * (size_t)esz + (FX_QUANT(dt) && tc->row_pad ? 1 : 0);
+        vb_row += (size_t)tc->row_pad * (size_t)esz + (FX_QUANT(dt) && tc->row_pad ? 1 : 0);
         nrows = (size_t)len;
     } else {
         nblocks = (int)((len + tc->bs - 1) / tc->bs);
@@ -188,8 +189,14 @@ static int run_case(const tcase *tc, const char *what)
     if (tc->inj == INJ_Q) q[(size_t)(ql - 1) * H * hd] = tc->inj_val;
     qref = alloc_f((size_t)ql * H * hd, 0);
     memcpy(qref, q, (size_t)ql * H * hd * sizeof(float));
-    if (dt == FX_I8)
-        for (i = 0; i < (size_t)ql * H; i++) quantise_like_the_kernel(qref + i * hd, hd);
+    /* int4 with rotation: the kernel quantises the rotated query; the
+       reference attends with it rotated back */
+    if (FX_QUANT(dt))
+        for (i = 0; i < (size_t)ql * H; i++) {
+            if (dt == FX_I4H) fx_fwht(qref + i * hd, hd, fx_hadamard_block(hd));
+            quantise_like_the_kernel(qref + i * hd, hd);
+            if (dt == FX_I4H) fx_fwht(qref + i * hd, hd, fx_hadamard_block(hd));
+        }
     ks = malloc(nrows * kb_row);
     vs = malloc(nrows * vb_row);
     fx_rows_from_f32(ks, kb_row, k, k_row, (ptrdiff_t)nrows, Hkv, hd, dt);
@@ -397,8 +404,9 @@ int main(void)
     static const int paths[][2] = {{4, 16}, {3, 8}};
 #endif
 
-    printf("simd path: %s; %s, %s, %s, %s\n", fx_attend_simd_path(), fx_attend_load_path(FX_F32),
-           fx_attend_load_path(FX_F16), fx_attend_load_path(FX_BF16), fx_attend_load_path(FX_I8));
+    printf("simd path: %s; %s, %s, %s, %s, %s\n", fx_attend_simd_path(), fx_attend_load_path(FX_F32),
+           fx_attend_load_path(FX_F16), fx_attend_load_path(FX_BF16), fx_attend_load_path(FX_I8),
+           fx_attend_load_path(FX_I4));
     memset(&probe, 0, sizeof probe);
     probe.head_dim = probe.v_head_dim = 16;
     exp_test();
@@ -414,7 +422,7 @@ int main(void)
 #endif
     for (wpass = 0; wpass < N_PASSES; wpass++) {
     /* with TEST_SPLIT, a last pass: the first path again, through
-       fx_attend_batch on 3 threads with the split forced, float32 and int8 */
+       fx_attend_batch on 3 threads with the split forced, float32, int8 and int4 */
     batch_threads = wpass == (int)(sizeof paths / sizeof paths[0]) ? 3 : 0;
     if (batch_threads) {
         fx_workers_set(3);
@@ -432,7 +440,8 @@ int main(void)
     printf("path: %s (16-float vectors where head dims allow: %s)\n", fx_attend_simd_path(),
            fx_attend_width(&probe) == 16 ? "yes" : "no");
     }
-    for (dt = FX_F32; dt <= FX_I8; dt += batch_threads ? FX_I8 - FX_F32 : 1) {
+    /* the split pass: float32, int8 and rotated int4 */
+    for (dt = FX_F32; dt <= FX_I4H; dt = !batch_threads ? dt + 1 : dt == FX_F32 ? FX_I8 : dt == FX_I8 ? FX_I4H : FX_I4H + 1) {
     /* float32: every combination; the other dtypes: every third (each value of each axis still occurs) */
     sub = dt == FX_F32 ? 1 : 3;
 
