@@ -132,6 +132,8 @@ class KvCache:
         tokens: npt.ArrayLike | None = None,
         salt: _Salt = None,
         dtype: _DType | None = None,
+        window: int | None = None,
+        max_chunk: int | None = None,
     ) -> KvCache: ...
     @staticmethod
     def with_pool_many(
@@ -145,6 +147,8 @@ class KvCache:
         tokens: npt.ArrayLike | None = None,
         salt: _Salt = None,
         dtype: _DType | None = None,
+        window: int | None = None,
+        max_chunk: int | None = None,
     ) -> list[KvCache]: ...
     @property
     def n_kv_heads(self) -> int: ...
@@ -156,6 +160,12 @@ class KvCache:
     def dtype(self) -> str: ...
     @property
     def seq_len(self) -> int: ...
+    @property
+    def first_pos(self) -> int:
+        """The position of the first row still held (0 unless a sliding window
+        gave earlier blocks back); ``k``/``v`` row 0 is this position."""
+    @property
+    def window(self) -> int | None: ...
     @property
     def closed(self) -> bool: ...
     @property
