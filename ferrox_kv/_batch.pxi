@@ -410,10 +410,10 @@ def _assign(caches, sources):
             order[i] = src[i]
             if (cs[i].pool == NULL) != (cs[0].pool == NULL) or cs[i].pool != cs[0].pool:
                 raise ValueError("caches must all be contiguous or all on one pool")
-            if cs[i].window != cs[0].window:
-                raise ValueError(f"caches[{i}] has window {cs[i].window or None} and "
-                                 f"caches[0] {cs[0].window or None}: rows move only between "
-                                 "caches of one sliding window")
+            if cs[i].window != cs[order[i]].window:
+                raise ValueError(f"caches[{i}] has window {cs[i].window or None} and its "
+                                 f"source caches[{order[i]}] {cs[order[i]].window or None}: "
+                                 "rows move only between caches of one sliding window")
         if cs[0].pool != NULL:
             _assign_blocks(cs, order, n)
         else:

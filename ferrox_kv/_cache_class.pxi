@@ -519,7 +519,9 @@ K and V rows of one sequence in one layer.
         back costs no blocks. Beyond ``seq_len`` or negative: ``ValueError``.
         A sliding-window cache rolls back within its window: a target whose
         next append would read a position given back (below ``first_pos +
-        window - 1``) is a ``ValueError`` that says so, nothing changed."""
+        window - 1``, other than 0) is a ``ValueError`` that says so,
+        nothing changed. ``truncate(0)`` (and ``clear()``) always works: the
+        blocks held then hold positions from 0 again."""
         n = _index(new_seq_len, "new_seq_len")
         _enter(self)
         try:
@@ -529,6 +531,9 @@ K and V rows of one sequence in one layer.
                 raise ValueError(
                     f"truncate target {n} must not exceed current seq_len {self.c.len}")
             _check_truncate(&self.c, n)
+            if n == 0 and self.c.base:     # a window starts over: its rows from position 0
+                self.c.cap -= self.c.base
+                self.c.base = 0
             self.c.len = n
         finally:
             _leave(self)

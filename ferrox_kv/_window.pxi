@@ -15,7 +15,8 @@
 #   ``resv`` blocks from its new base on: appends of up to ``max_chunk``
 #   rows then recycle the cache's own blocks and never need a free one.
 # * ``base`` (the first position held) is a multiple of block_size and never
-#   exceeds max(0, len - W + 1): truncate refuses to go where it would.
+#   exceeds max(0, len - W + 1): truncate refuses to go where it would,
+#   except to 0, where the blocks held start over at position 0.
 # * Positions before ``base`` are gone: attend, k/v and copies read from
 #   ``base`` on; the sequence's ``len`` still counts every position.
 # * Windowed caches take no part in the prefix cache (no hits, no publish):
@@ -69,14 +70,15 @@ cdef inline bint _trim_due(Cache* c) noexcept nogil:
 
 cdef int _check_truncate(Cache* c, Py_ssize_t n) except -1:
     """ValueError when truncating a windowed cache to ``n`` positions would
-    need rows it has given back (an append at n reads from n - window + 1)."""
-    if c.window == 0 or n == c.len or max(n - c.window + 1, 0) >= c.base:
+    need rows it has given back (an append at n reads from n - window + 1).
+    Truncating to 0 needs no row: the cache starts over at position 0."""
+    if c.window == 0 or n == c.len or n == 0 or max(n - c.window + 1, 0) >= c.base:
         return 0
     raise ValueError(
         f"cannot truncate to {n}: this cache has a sliding window of {c.window} and "
         f"has given back positions before {c.base}; an append at {n} positions would "
         f"read from position {max(n - c.window + 1, 0)} (truncate to at least "
-        f"{c.base + c.window - 1})")
+        f"{c.base + c.window - 1}, or to 0 to start over)")
 
 
 cdef Py_ssize_t _attend_window(Cache** cs, Py_ssize_t n, Py_ssize_t w, bint given,

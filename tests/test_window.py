@@ -71,7 +71,12 @@ class Rule:
         self.len += t
 
     def truncate_ok(self, n):
-        return n == self.len or max(n - self.w + 1, 0) >= self.base
+        return n == self.len or n == 0 or max(n - self.w + 1, 0) >= self.base
+
+    def truncate(self, n):
+        if n == 0:
+            self.base = 0
+        self.len = n
 
     def fork(self):
         child = Rule(self.bs, self.w, self.resv)
@@ -291,8 +296,6 @@ def test_truncate_within_the_window_works_and_into_freed_rows_is_refused():
     with pytest.raises(ValueError, match="cannot truncate to 28: .*window of 6.*before 24.*"
                                          "at least 29"):
         c.truncate(28)
-    with pytest.raises(ValueError, match="cannot truncate to 0"):
-        c.clear()
     assert (c.seq_len, c.first_pos, c.block_table.tolist(), p.free_blocks,
             c.k.tobytes(), c.v.tobytes(), p.stats()) == before
     p.check()
@@ -474,9 +477,33 @@ def test_rows_move_only_between_caches_of_one_window():
     b = KvCache.with_pool(H, D, p, 8)
     a.push(*[x[0] for x in _rows(np.random.default_rng(0), 1)])
     stats = p.stats()
-    with pytest.raises(ValueError, match="caches\\[1\\] has window None and caches\\[0\\] 6"):
+    with pytest.raises(ValueError, match="caches\\[1\\] has window None and its source "
+                                         "caches\\[0\\] 6"):
         _assign([a, b], [0, 0])
     assert p.stats() == stats and b.seq_len == 0
+    _assign([a, b], [0, 1])                # each its own: fine
+    p.check()
+
+
+def test_clear_starts_a_window_over_at_position_zero():
+    rng = np.random.default_rng(14)
+    p = KvBlockPool(4, 32, H, D)
+    u = KvCache.with_pool(H, D, KvBlockPool(4, 32, H, D), 40)
+    c = KvCache.with_pool(H, D, p, 1000, window=5)
+    c.extend(*_rows(rng, 30))
+    c.push(*[x[0] for x in _rows(rng, 1)])
+    held, table = c.blocks_held, c.block_table.tolist()
+    assert c.first_pos > 0
+    ch = c.fork()
+    c.clear()
+    assert (c.seq_len, c.first_pos, c.blocks_held, c.block_table.tolist()) == (0, 0, held, table)
+    k, v = _rows(rng, 9)
+    c.extend(k, v)                          # copies the blocks the child shares first
+    u.extend(k, v)
+    assert np.array_equal(c.k, u.k[c.first_pos:])
+    q = rng.standard_normal((NH, D)).astype(np.float32)
+    assert c.attend(q, threads=1).tobytes() == u.attend(q, window=5, threads=1).tobytes()
+    assert ch.seq_len == 31
     p.check()
 
 
@@ -550,7 +577,7 @@ class WindowMachine(RuleBasedStateMachine):
         if r.truncate_ok(n):
             c.truncate(n)
             tw.truncate(n)
-            r.len = n
+            r.truncate(n)
         else:
             table = c.block_table.tolist()
             with pytest.raises(ValueError, match="cannot truncate"):
