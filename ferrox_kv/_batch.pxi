@@ -161,7 +161,8 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
     cdef Py_ssize_t i, j, bs, lo, hi, need, n_cow = 0, n_pools = 0, n_fresh = 0, at
     cdef Py_ssize_t n_trim = 0, held
     cdef Py_ssize_t* grow = NULL       # per cache: blocks appended
-    cdef Py_ssize_t* trim = NULL       # per cache: leading blocks given back (windows)
+    cdef Py_ssize_t* trim = NULL       # per cache: leading blocks (contiguous: rows) given
+    #                                    back (windows)
     cdef int32_t* dropped = NULL       # those blocks, pool after pool
     cdef Py_ssize_t* cows = NULL       # per cache: table indices to copy-on-write
     cdef int32_t* cow_at = NULL        # those indices, cache after cache
@@ -197,7 +198,10 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
             need = c.len + t
             p = c.pool
             if p == NULL:
-                if need > c.cap:
+                if need > c.cap and c.window:      # the rows before the window stay behind
+                    trim[i] = _trim_to(c, c.len) - c.base
+                    rows[i] = _rows_new(max(2 * (need - c.base - trim[i]), 4), c)
+                elif need > c.cap:
                     rows[i] = _rows_new(max(2 * (c.cap - c.base), need - c.base, 4), c)
                 continue
             bs = p.block_size
@@ -247,7 +251,7 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
             for j in range(n_pools):   # the blocks that left a window, pool after pool
                 reqs[j].drop = dropped + at
                 for i in range(n):
-                    if trim[i] and pool_of[i] == j:
+                    if trim[i] and cs[i].pool != NULL and pool_of[i] == j:
                         memcpy(dropped + at, cs[i].table, <size_t>trim[i] * sizeof(int32_t))
                         at += trim[i]
             with nogil:
@@ -265,8 +269,10 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
             c = cs[i]
             if c.pool == NULL:
                 if rows[i] is not None:
-                    if c.len > c.base:
-                        _gather_rows(c, c.len - c.base, (<_Rows>rows[i]).k, (<_Rows>rows[i]).v)
+                    if c.len > c.base + trim[i]:
+                        cache_gather(c, c.base + trim[i], c.len - c.base - trim[i],
+                                     (<_Rows>rows[i]).k, (<_Rows>rows[i]).v, False)
+                    c.base += trim[i]
                     (<KvCache>owners[i])._set_rows(<_Rows>rows[i])
                 continue
             p = c.pool

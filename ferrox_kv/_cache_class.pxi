@@ -2,7 +2,7 @@
 
 @cython.no_gc_clear
 cdef class KvCache:
-    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32")
+    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32", window=None)
 --
 
 K and V rows of one sequence in one layer.
@@ -13,7 +13,9 @@ K and V rows of one sequence in one layer.
     ``KvBlockPool``, reserving its worst case up front. ``dtype`` is the
     storage: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or
     ``"int8"`` (docs/precision.md); input rows are converted to it inside
-    the copy loop.
+    the copy loop. ``window=W`` makes a sliding-window cache (see
+    ``with_pool``): a growing buffer keeps only the rows from the window of
+    the last append on.
 
     A cache is not meant to be used from two threads at once: a method call
     that finds another call on the same cache in progress raises
@@ -36,7 +38,7 @@ K and V rows of one sequence in one layer.
                 "v_head_dim is keyword-only (v_head_dim=...)")
 
     def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None,
-                 dtype="float32"):
+                 dtype="float32", window=None):
         _require(type(self).__name__, ("n_kv_heads", "head_dim"), (n_kv_heads, head_dim))
         if not fx_try_claim(&self.c.busy):
             raise RuntimeError(_BUSY)
@@ -44,6 +46,7 @@ K and V rows of one sequence in one layer.
             if self.c.state != STATE_NEW:
                 raise ValueError("KvCache.__init__ called on a cache that is already set up")
             self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype)
+            self.c.window = _window_arg(window, None, None, 1)
         finally:
             _leave(self)
 

@@ -114,7 +114,7 @@ class KvBlockPool:
 class KvCache:
     def __init__(
         self, n_kv_heads: int, head_dim: int, *, v_head_dim: int | None = None,
-        dtype: _DType = "float32",
+        dtype: _DType = "float32", window: int | None = None,
     ) -> None: ...
     @staticmethod
     def with_capacity(

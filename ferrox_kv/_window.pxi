@@ -19,6 +19,9 @@
 #   except to 0, where the blocks held start over at position 0.
 # * Positions before ``base`` are gone: attend, k/v and copies read from
 #   ``base`` on; the sequence's ``len`` still counts every position.
+# * A contiguous windowed cache (KvCache(..., window=W), or a pooled one's
+#   copy) gives rows back when it grows: its new buffer holds the rows from
+#   n - W + 1 on, twice what the append needs.
 # * Windowed caches take no part in the prefix cache (no hits, no publish):
 #   a hit would have to hold the last W positions of the prefix and nothing
 #   else, which the prefix index (a chain of every block) does not describe.
@@ -52,9 +55,9 @@ cdef inline Py_ssize_t _window_blocks(Py_ssize_t window, Py_ssize_t max_chunk,
 
 cdef inline Py_ssize_t _trim_to(Cache* c, Py_ssize_t n) noexcept nogil:
     """The base an append to a cache of length ``n`` may move to: the start
-    of the block holding max(0, n - window + 1), never below the current
-    base (windowed pooled caches only)."""
-    cdef Py_ssize_t bs = c.pool.block_size, keep = n - c.window + 1
+    of the block holding max(0, n - window + 1) (a contiguous cache: that
+    position), never below the current base (windowed caches only)."""
+    cdef Py_ssize_t bs = c.pool.block_size if c.pool != NULL else 1, keep = n - c.window + 1
     if keep <= c.base:
         return c.base
     return keep - keep % bs

@@ -35,7 +35,10 @@ class Rule:
         self.pooled = True
 
     def cap(self):
-        return self.base + self.nb * self.bs
+        return self.base + self.nb * self.bs if self.pooled else self.ccap
+
+    def release(self):
+        self.ccap, self.pooled, self.nb = self.cap(), False, 0
 
     def private_at(self, r):
         return self.shared == 0 or r - self.base >= self.shared * self.bs
@@ -60,6 +63,9 @@ class Rule:
 
     def append(self, t):
         n, bs = self.len, self.bs
+        if not self.pooled and n + t > self.ccap:      # a new buffer from the window on
+            self.base = max(self.base, n - self.w + 1)
+            self.ccap = self.base + max(2 * (n + t - self.base), 4)
         if self.pooled and t and (n + t > self.cap() or not self.private_at(n)
                                   or self.trim_due()):
             trim, grow = self.plan(t)
@@ -75,6 +81,8 @@ class Rule:
 
     def truncate(self, n):
         if n == 0:
+            if not self.pooled:
+                self.ccap -= self.base
             self.base = 0
         self.len = n
 
@@ -82,6 +90,7 @@ class Rule:
         child = Rule(self.bs, self.w, self.resv)
         if not self.pooled:                  # a contiguous cache's fork is its copy
             child.pooled, child.nb, child.base, child.len = False, 0, self.base, self.len
+            child.ccap = self.len
             return child
         full, tail = divmod(self.len - self.base, self.bs)
         child.base, child.len, child.shared = self.base, self.len, full
@@ -93,6 +102,7 @@ class Rule:
 
 def _assert_rule(c, r):
     assert (c.first_pos, c.blocks_held, c.seq_len) == (r.base, r.nb if r.pooled else 0, r.len)
+    assert c.capacity == r.cap()
 
 
 def _pool(dtype="float32", bs=4, total=64):
@@ -599,7 +609,8 @@ class WindowMachine(RuleBasedStateMachine):
     def release(self, i):
         c, r, tw = self._pick(i)
         c.release_to_pool()
-        r.pooled, r.nb = False, 0
+        if r.pooled:
+            r.release()
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 7))
@@ -637,3 +648,36 @@ WindowMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_window_machine = WindowMachine.TestCase
+
+
+# -- contiguous windowed caches ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_contiguous_windowed_cache_equals_a_whole_one_and_stays_small(dtype):
+    rng = np.random.default_rng(15)
+    c = KvCache(H, D, dtype=dtype, window=7)
+    u = KvCache(H, D, dtype=dtype)
+    most = 0
+    for step in range(150):
+        t = int(rng.choice([1, 1, 2, 9]))
+        k, v = _rows(rng, t)
+        c.extend(k, v)
+        u.extend(k, v)
+        q = rng.standard_normal((t, NH, D)).astype(np.float32)
+        assert c.attend(q, threads=1).tobytes() == u.attend(q, window=7, threads=1).tobytes()
+        assert np.array_equal(c.k, u.k[c.first_pos:]) and np.array_equal(c.v, u.v[c.first_pos:])
+        assert c.first_pos <= max(c.seq_len - t - 7 + 1, 0)
+        most = max(most, c.capacity - c.first_pos)
+    assert c.first_pos > 0 and c.seq_len == u.seq_len
+    assert most <= 2 * (7 + 9) and c.allocated_bytes() < u.allocated_bytes() / 4
+    with pytest.raises(ValueError, match="cannot truncate"):
+        c.truncate(c.first_pos + 3)
+    c.truncate(c.first_pos + 6)
+
+
+def test_a_contiguous_cache_refuses_a_bad_window():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        KvCache(H, D, window=0)
+    with pytest.raises(TypeError, match="window must be an integer"):
+        KvCache(H, D, window=1.5)
+    assert KvCache(H, D).window is None and KvCache(H, D, window=3).window == 3
