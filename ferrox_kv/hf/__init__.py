@@ -101,9 +101,9 @@ from ferrox_kv.hf.attention import (
     PackedAttention,
     ferrox_attention,
 )
-from ferrox_kv.hf.cache import FerroxCache, FerroxLayer, fingerprint, kv_geometry
+from ferrox_kv.hf.cache import FerroxCache, FerroxLayer, fingerprint, kv_geometry, layer_windows
 from ferrox_kv.hf.packed import PackedCache, PackedLayer
 
 __all__ = ["ATTENTION", "COMPILE_REFUSED", "SDPA_PREFILL_MIN", "FerroxCache",
            "FerroxCompileError", "FerroxLayer", "PackedAttention", "PackedCache", "PackedLayer",
-           "ferrox_attention", "fingerprint", "kv_geometry"]
+           "ferrox_attention", "fingerprint", "kv_geometry", "layer_windows"]
