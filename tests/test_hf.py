@@ -106,7 +106,6 @@ def test_returned_keys_are_zero_copy_views_of_contiguous_caches(model):
 def test_pooled_generation_is_identical_and_every_block_comes_back(model):
     ids = _prompt()
     ref = _reference(model, ids)
-    layers = model.config.num_hidden_layers
     pool = _pool_for(model, 64)
     with FerroxCache(model.config, pool=pool, max_seq_len=52) as cache:
         assert pool.used_blocks == _plan(model, 52) == cache.blocks_held     # ceil(52 / 8) per full layer
@@ -132,7 +131,6 @@ def test_pooled_cache_gives_blocks_back_when_garbage_collected(model):
 
 
 def test_admission_is_refused_with_the_pool_untouched_when_one_block_short(model):
-    layers = model.config.num_hidden_layers
     pool = _pool_for(model, _plan(model, 52) - 1)
     before = pool.stats()
     with pytest.raises(KvPoolExhausted) as ei:
@@ -220,7 +218,6 @@ def test_beam_search_with_three_beams_is_identical(model):
     ids = _prompt(9, seed=10)
     kw = dict(num_beams=3, max_new_tokens=20, early_stopping=True)
     ref = _reference(model, ids, **kw)
-    layers = model.config.num_hidden_layers
     pool = _pool_for(model, 256)
     with FerroxCache(model.config, pool=pool, max_seq_len=30) as cache:
         got = _gen(model, ids, cache, **kw)
@@ -232,7 +229,6 @@ def test_beam_search_with_three_beams_is_identical(model):
 
 
 def test_beam_search_refuses_when_the_extra_beams_do_not_fit(model):
-    layers = model.config.num_hidden_layers
     pool = _pool_for(model, 2 * _plan(model, 30))                 # room for 2 of the 3 beams
     cache = FerroxCache(model.config, pool=pool, max_seq_len=30)
     with pytest.raises(KvPoolExhausted):
