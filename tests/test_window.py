@@ -289,11 +289,15 @@ def test_fork_shares_the_window_and_blocks_return_once():
     p.check()
 
 
-def test_truncate_within_the_window_works_and_into_freed_rows_is_refused():
-    rng = np.random.default_rng(8)
+def _windowed_and_whole(seed, window, whole_len):
+    """rng, a pool, a windowed cache on it and a whole twin on another pool."""
     p = KvBlockPool(4, 32, H, D)
-    u = KvCache.with_pool(H, D, KvBlockPool(4, 32, H, D), 100)
-    c = KvCache.with_pool(H, D, p, 1000, window=6)
+    return (np.random.default_rng(seed), p, KvCache.with_pool(H, D, p, 1000, window=window),
+            KvCache.with_pool(H, D, KvBlockPool(4, 32, H, D), whole_len))
+
+
+def test_truncate_within_the_window_works_and_into_freed_rows_is_refused():
+    rng, p, c, u = _windowed_and_whole(8, 6, 100)
     k, v = _rows(rng, 30)
     c.extend(k, v)
     u.extend(k, v)
@@ -496,10 +500,7 @@ def test_rows_move_only_between_caches_of_one_window():
 
 
 def test_clear_starts_a_window_over_at_position_zero():
-    rng = np.random.default_rng(14)
-    p = KvBlockPool(4, 32, H, D)
-    u = KvCache.with_pool(H, D, KvBlockPool(4, 32, H, D), 40)
-    c = KvCache.with_pool(H, D, p, 1000, window=5)
+    rng, p, c, u = _windowed_and_whole(14, 5, 40)
     c.extend(*_rows(rng, 30))
     c.push(*[x[0] for x in _rows(rng, 1)])
     held, table = c.blocks_held, c.block_table.tolist()
