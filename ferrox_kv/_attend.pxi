@@ -43,9 +43,11 @@ def simd_path(dtype=None):
 
 
 cdef inline void _kv_of(Cache* c, fx_kv* kv) noexcept nogil:
-    """Where the kernel finds a cache's rows: bytes, typed by the dtype."""
+    """Where the kernel finds a cache's rows: bytes, typed by the dtype. The
+    kernel's row 0 is the first row held (position ``base``): its positions
+    are the cache's less ``base`` (a window shifts with them)."""
     cdef Pool* p = c.pool
-    kv.len = c.len
+    kv.len = c.len - c.base
     kv.dtype = c.dtype
     kv.k_row = c.k_row
     kv.v_row = c.v_row
@@ -140,6 +142,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     # 1. convert every argument (user code may run here), before any claim
     cdef cnp.ndarray qa = _f32(q, "q")
     cdef Py_ssize_t n = len(cl), i, b, win = 0, q_len, nh, hd, lead, split_bytes, chunk_rows
+    cdef Py_ssize_t first
     cdef int nthreads = fx_workers_get(), rc = 0
     if threads is not None:
         nthreads = min(nthreads, <int>_thread_count(threads, "threads"))
@@ -207,6 +210,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                              f"n_kv_heads={c0.n_kv_heads}")
         if starts is not None and starts.shape[0] != n:
             raise ValueError(f"start has {starts.shape[0]} entries for {n} caches")
+        win = _attend_window(cs, n, win, window is not None, batched)
         for i in range(n):
             if cs[i].len == 0:
                 raise ValueError(f"caches[{i}] is empty: push the queries' K/V first"
@@ -217,7 +221,10 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
                                  "are the cache's last q_len positions")
             if starts is not None and starts[i] < 0:
                 raise ValueError(f"start must be >= 0, got {starts[i]}")
-            ctx_bytes += <size_t>cs[i].len * (cs[i].k_row + cs[i].v_row)
+            first = 0 if starts is None else <Py_ssize_t>min(starts[i], cs[i].len)
+            _check_held(cs[i], max(q_len, 1), win, first,
+                        f"caches[{i}]" if batched else "the cache")
+            ctx_bytes += <size_t>(cs[i].len - cs[i].base) * (cs[i].k_row + cs[i].v_row)
         shape = ((n,) if batched else ()) + ((q_len,) if q_len >= 0 else ()) + (nh, c0.v_head_dim)
         if oa is None:
             oa = np.empty(shape, np.float32)
@@ -257,12 +264,12 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
             _kv_of(cs[i], &kvs[i])
         qp = tmp if tmp != NULL else <float*>cnp.PyArray_DATA(qa)
         op = tmp_out if tmp_out != NULL else <float*>cnp.PyArray_DATA(oa)
-        if starts is not None:
+        if starts is not None:         # in the kernel's positions (less base)
             st = <Py_ssize_t*>malloc(<size_t>n * sizeof(Py_ssize_t))
             if st == NULL:
                 raise MemoryError()
             for i in range(n):
-                st[i] = <Py_ssize_t>min(starts[i], cs[i].len)
+                st[i] = max(<Py_ssize_t>min(starts[i], cs[i].len) - cs[i].base, 0)
         # a call the split leaves on this thread keeps the GIL below the
         # release threshold (fx_attend_batch applies the same split size)
         fx_attend_get_split(&split_bytes, &chunk_rows)

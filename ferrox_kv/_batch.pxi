@@ -113,7 +113,8 @@ cdef int _append_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t,
                     vp = own + kbytes
                     break
         for i in range(n):
-            if cs[i].len + t > cs[i].cap or not _private_at(cs[i], cs[i].len):
+            if (cs[i].len + t > cs[i].cap or not _private_at(cs[i], cs[i].len)
+                    or _trim_due(cs[i])):
                 _make_room_each(owners, cs, n, t)
                 break
         if _release_pays(<Py_ssize_t>(kbytes + vbytes)):
@@ -154,9 +155,15 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
     of its own wherever its write range lies in blocks it shares (copy-on-
     write), all or nothing: new contiguous buffers are allocated and every
     pool's blocks taken in one acquisition (all pools or none) before
-    anything changes. Contiguous caches grow to max(2 * cap, needed, 4)."""
+    anything changes. Contiguous caches grow to max(2 * cap, needed, 4).
+    Windowed caches give back the blocks that left the window in the same
+    acquisition, and grow to hold their reservation again (_window.pxi)."""
     cdef Py_ssize_t i, j, bs, lo, hi, need, n_cow = 0, n_pools = 0, n_fresh = 0, at
+    cdef Py_ssize_t n_trim = 0, held
     cdef Py_ssize_t* grow = NULL       # per cache: blocks appended
+    cdef Py_ssize_t* trim = NULL       # per cache: leading blocks (contiguous: rows) given
+    #                                    back (windows)
+    cdef int32_t* dropped = NULL       # those blocks, pool after pool
     cdef Py_ssize_t* cows = NULL       # per cache: table indices to copy-on-write
     cdef int32_t* cow_at = NULL        # those indices, cache after cache
     cdef int32_t* fresh = NULL
@@ -170,15 +177,16 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
     cdef list rows = [None] * n
     try:
         grow = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        trim = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
         cows = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
         pool_of = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
         reqs = <BlockReq*>calloc(<size_t>n, sizeof(BlockReq))
-        if grow == NULL or cows == NULL or pool_of == NULL or reqs == NULL:
+        if grow == NULL or trim == NULL or cows == NULL or pool_of == NULL or reqs == NULL:
             raise MemoryError()
         for i in range(n):             # bound the copy-on-write list
             c = cs[i]
             if not _private_at(c, c.len):
-                n_cow += c.shared_upto - c.len // c.pool.block_size
+                n_cow += c.shared_upto - (c.len - c.base) // c.pool.block_size
         cow_at = <int32_t*>malloc(<size_t>(n_cow if n_cow > 0 else 1) * sizeof(int32_t))
         if cow_at == NULL:
             raise MemoryError()
@@ -190,18 +198,28 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
             need = c.len + t
             p = c.pool
             if p == NULL:
-                if need > c.cap:
-                    rows[i] = _rows_new(max(2 * c.cap, need, 4), c)
+                if need > c.cap and c.window:      # the rows before the window stay behind
+                    trim[i] = _trim_to(c, c.len) - c.base
+                    rows[i] = _rows_new(max(2 * (need - c.base - trim[i]), 4), c)
+                elif need > c.cap:
+                    rows[i] = _rows_new(max(2 * (c.cap - c.base), need - c.base, 4), c)
                 continue
             bs = p.block_size
-            if need > c.cap:
+            if c.window and (need > c.cap or _trim_due(c) or not _private_at(c, c.len)):
+                # the blocks before the window go back
+                trim[i] = (_trim_to(c, c.len) - c.base) // bs
+                n_trim += trim[i]
+                held = max(_blocks_for(need - c.base, bs), trim[i] + c.resv)
+                grow[i] = max(held - c.n_blocks, 0)
+            elif need > c.cap:
                 grow[i] = _blocks_for(need - c.cap, bs)
-                if grow[i] > p.total:
-                    raise KvPoolExhausted(grow[i], pool_refuse(p))
+            if grow[i]:
+                if grow[i] - trim[i] > p.total:
+                    raise KvPoolExhausted(grow[i] - trim[i], pool_refuse(p))
                 _reserve_table(c, grow[i])
             if not _private_at(c, c.len):
-                lo = c.len // bs
-                hi = min(c.shared_upto, _blocks_for(need, bs), c.n_blocks)
+                lo = (c.len - c.base) // bs
+                hi = min(c.shared_upto, _blocks_for(need - c.base, bs), c.n_blocks)
                 for j in range(lo, hi):
                     b = c.table[j]
                     if fx_load(&p.refs[b]) > 1 or (
@@ -216,17 +234,26 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                     if reqs[j].pool == cs[i].pool:
                         pool_of[i] = j
                 reqs[pool_of[i]].n_fresh += grow[i] + cows[i]
+                reqs[pool_of[i]].n_drop += trim[i]
                 n_fresh += grow[i] + cows[i]
         # 2. every pool's blocks at once
         if n_pools:
             fresh = <int32_t*>malloc(<size_t>(n_fresh if n_fresh > 0 else 1) * sizeof(int32_t))
             old = <int32_t*>malloc(<size_t>(n_cow if n_cow > 0 else 1) * sizeof(int32_t))
-            if fresh == NULL or old == NULL:
+            dropped = <int32_t*>malloc(<size_t>(n_trim if n_trim > 0 else 1) * sizeof(int32_t))
+            if fresh == NULL or old == NULL or dropped == NULL:
                 raise MemoryError()
             at = 0
             for j in range(n_pools):
                 reqs[j].fresh = fresh + at
                 at += reqs[j].n_fresh
+            at = 0
+            for j in range(n_pools):   # the blocks that left a window, pool after pool
+                reqs[j].drop = dropped + at
+                for i in range(n):
+                    if trim[i] and cs[i].pool != NULL and pool_of[i] == j:
+                        memcpy(dropped + at, cs[i].table, <size_t>trim[i] * sizeof(int32_t))
+                        at += trim[i]
             with nogil:
                 at = pools_update(reqs, n_pools, &failed)
             if at == FX_EXHAUSTED:
@@ -242,8 +269,10 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
             c = cs[i]
             if c.pool == NULL:
                 if rows[i] is not None:
-                    if c.len:
-                        _gather_rows(c, c.len, (<_Rows>rows[i]).k, (<_Rows>rows[i]).v)
+                    if c.len > c.base + trim[i]:
+                        cache_gather(c, c.base + trim[i], c.len - c.base - trim[i],
+                                     (<_Rows>rows[i]).k, (<_Rows>rows[i]).v, False)
+                    c.base += trim[i]
                     (<KvCache>owners[i])._set_rows(<_Rows>rows[i])
                 continue
             p = c.pool
@@ -253,19 +282,24 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                 n_cow += 1
                 b = reqs[pool_of[i]].fresh[reqs[pool_of[i]].n_fresh]
                 reqs[pool_of[i]].n_fresh += 1
-                if lo * bs < c.len:    # the rows kept before the write position
+                if c.base + lo * bs < c.len:   # the rows kept before the write position
                     memcpy(p.k_arena + <size_t>b * p.k_block,
                            p.k_arena + <size_t>c.table[lo] * p.k_block,
-                           <size_t>(c.len - lo * bs) * c.k_row)
+                           <size_t>(c.len - c.base - lo * bs) * c.k_row)
                     memcpy(p.v_arena + <size_t>b * p.v_block,
                            p.v_arena + <size_t>c.table[lo] * p.v_block,
-                           <size_t>(c.len - lo * bs) * c.v_row)
+                           <size_t>(c.len - c.base - lo * bs) * c.v_row)
                 old[at] = c.table[lo]
                 at += 1
                 c.table[lo] = b
-            if not _private_at(c, c.len) and min(_blocks_for(c.len + t, bs),
+            if not _private_at(c, c.len) and min(_blocks_for(c.len - c.base + t, bs),
                                                  c.n_blocks) >= c.shared_upto:
-                c.shared_upto = c.len // bs      # the write range is all its own now
+                c.shared_upto = (c.len - c.base) // bs   # the write range is all its own now
+            if trim[i]:                # the blocks given back leave the table
+                c.n_blocks -= trim[i]
+                memmove(c.table, c.table + trim[i], <size_t>c.n_blocks * sizeof(int32_t))
+                c.shared_upto = max(c.shared_upto - trim[i], 0)
+                c.base += trim[i] * bs
             for j in range(grow[i]):
                 c.table[c.n_blocks] = reqs[pool_of[i]].fresh[reqs[pool_of[i]].n_fresh]
                 reqs[pool_of[i]].n_fresh += 1
@@ -279,6 +313,8 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                 at += cows[i]
     finally:
         free(grow)
+        free(trim)
+        free(dropped)
         free(cows)
         free(cow_at)
         free(fresh)
@@ -380,6 +416,10 @@ def _assign(caches, sources):
             order[i] = src[i]
             if (cs[i].pool == NULL) != (cs[0].pool == NULL) or cs[i].pool != cs[0].pool:
                 raise ValueError("caches must all be contiguous or all on one pool")
+            if cs[i].window != cs[order[i]].window:
+                raise ValueError(f"caches[{i}] has window {cs[i].window or None} and its "
+                                 f"source caches[{order[i]}] {cs[order[i]].window or None}: "
+                                 "rows move only between caches of one sliding window")
         if cs[0].pool != NULL:
             _assign_blocks(cs, order, n)
         else:
@@ -399,7 +439,8 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
     cdef Py_ssize_t i, s, full, tail, failed = 0
     cdef Py_ssize_t n_share = 0, n_drop = 0, n_fresh = 0, n_tail = 0
     cdef Py_ssize_t* n_new = NULL          # per target: blocks after the change
-    cdef Py_ssize_t* src_len = NULL        # per target: its source's length now
+    cdef Py_ssize_t* src_len = NULL        # per target: its source's rows held now
+    cdef Py_ssize_t* src_base = NULL       # per target: its source's first position
     cdef int32_t* share = NULL
     cdef int32_t* drop = NULL
     cdef int32_t* fresh = NULL
@@ -410,13 +451,15 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
     try:
         n_new = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
         src_len = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
-        if n_new == NULL or src_len == NULL:
+        src_base = <Py_ssize_t*>calloc(<size_t>n, sizeof(Py_ssize_t))
+        if n_new == NULL or src_len == NULL or src_base == NULL:
             raise MemoryError()
         for i in range(n):                 # sizes, and table room (MemoryError only)
             s = order[i]
             if s == i:
                 continue
-            src_len[i] = cs[s].len
+            src_len[i] = cs[s].len - cs[s].base
+            src_base[i] = cs[s].base
             full = src_len[i] // bs
             tail = src_len[i] - full * bs
             n_new[i] = max(cs[i].n_blocks, cs[s].n_blocks, full + (tail > 0))
@@ -442,7 +485,7 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
             n_share += full
             memcpy(drop + n_drop, cs[i].table, <size_t>cs[i].n_blocks * sizeof(int32_t))
             n_drop += cs[i].n_blocks
-            cache_gather(cs[s], full * bs, tail, tails + <size_t>n_tail * (kw + vw),
+            cache_gather(cs[s], src_base[i] + full * bs, tail, tails + <size_t>n_tail * (kw + vw),
                          tails + <size_t>n_tail * (kw + vw) + <size_t>tail * kw, False)
             n_tail += tail
         memset(&r, 0, sizeof(BlockReq))
@@ -478,15 +521,17 @@ cdef int _assign_blocks(Cache** cs, const Py_ssize_t* order, Py_ssize_t n) excep
             memcpy(c.table + full, fresh + n_fresh, <size_t>(n_new[i] - full) * sizeof(int32_t))
             n_fresh += n_new[i] - full
             c.n_blocks = n_new[i]
-            c.cap = n_new[i] * bs
+            c.base = src_base[i]
+            c.cap = c.base + n_new[i] * bs
             c.shared_upto = full
-            cache_write(c, full * bs, tail, tails + <size_t>n_tail * (kw + vw),
+            cache_write(c, c.base + full * bs, tail, tails + <size_t>n_tail * (kw + vw),
                         tails + <size_t>n_tail * (kw + vw) + <size_t>tail * kw, SRC_STORED)
             n_tail += tail
-            c.len = src_len[i]
+            c.len = c.base + src_len[i]
     finally:
         free(n_new)
         free(src_len)
+        free(src_base)
         free(share)
         free(drop)
         free(fresh)
@@ -506,19 +551,21 @@ cdef int _assign_rows(tuple cl, Cache** cs, const Py_ssize_t* order, Py_ssize_t 
         if s == i:
             continue
         if s not in snap:
-            r = _rows_new(cs[s].len, cs[s])
-            _gather_rows(cs[s], cs[s].len, r.k, r.v)
-            snap[s] = (r, cs[s].len)
-        if cs[i].cap < cs[s].len:
-            rows[i] = _rows_new(cs[s].len, cs[i])
+            r = _rows_new(cs[s].len - cs[s].base, cs[s])
+            _gather_rows(cs[s], cs[s].len - cs[s].base, r.k, r.v)
+            snap[s] = (r, cs[s].base, cs[s].len)
+        if cs[i].cap - cs[i].base < cs[s].len - cs[s].base:
+            rows[i] = _rows_new(cs[s].len - cs[s].base, cs[i])
     for i in range(n):                     # nothing below can fail
         s = order[i]
         if s == i:
             continue
-        r, length = snap[s]
+        r, base, length = snap[s]
+        cs[i].cap += base - cs[i].base     # the same buffer, from the source's base
+        cs[i].base = base
         if rows[i] is not None:
             (<KvCache>cl[i])._set_rows(<_Rows>rows[i])
-        cs[i].len = 0
-        cache_write(cs[i], 0, length, r.k, r.v, SRC_STORED)
+        cs[i].len = base
+        cache_write(cs[i], base, length - base, r.k, r.v, SRC_STORED)
         cs[i].len = length
     return 0

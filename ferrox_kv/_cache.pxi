@@ -33,20 +33,24 @@ cdef _Rows _rows_new(Py_ssize_t cap, Cache* c):
 
 
 # -- where rows live ------------------------------------------------------------
+#
+# Rows are numbered by position. A cache holds positions base..len-1 (base is
+# 0 unless a sliding window gave earlier rows back, _window.pxi): row r lives
+# at k + (r - base) * k_row, or in block table[(r - base) // block_size].
 
 cdef inline char* _k_row(Cache* c, Py_ssize_t r) noexcept nogil:
     cdef Pool* p = c.pool
     if p == NULL:
-        return c.k + <size_t>r * c.k_row
-    return (p.k_arena + <size_t>c.table[r // p.block_size] * p.k_block
+        return c.k + <size_t>(r - c.base) * c.k_row
+    return (p.k_arena + <size_t>c.table[(r - c.base) // p.block_size] * p.k_block
             + <size_t>(r % p.block_size) * c.k_row)
 
 
 cdef inline char* _v_row(Cache* c, Py_ssize_t r) noexcept nogil:
     cdef Pool* p = c.pool
     if p == NULL:
-        return c.v + <size_t>r * c.v_row
-    return (p.v_arena + <size_t>c.table[r // p.block_size] * p.v_block
+        return c.v + <size_t>(r - c.base) * c.v_row
+    return (p.v_arena + <size_t>c.table[(r - c.base) // p.block_size] * p.v_block
             + <size_t>(r % p.block_size) * c.v_row)
 
 
@@ -62,7 +66,7 @@ cdef inline Py_ssize_t _run(Cache* c, Py_ssize_t r, Py_ssize_t end) noexcept nog
 cdef inline bint _private_at(Cache* c, Py_ssize_t r) noexcept nogil:
     """Whether row ``r`` lies in a block only this cache holds (always for a
     contiguous cache): a write there needs no copy-on-write."""
-    return c.shared_upto == 0 or r >= c.shared_upto * c.pool.block_size
+    return c.shared_upto == 0 or r - c.base >= c.shared_upto * c.pool.block_size
 
 
 cdef inline bint _aliases(Cache* c, const void* src, size_t nbytes) noexcept nogil:
@@ -70,7 +74,7 @@ cdef inline bint _aliases(Cache* c, const void* src, size_t nbytes) noexcept nog
     buffer, or its pool's arenas (a source there is copied first)."""
     cdef Pool* p = c.pool
     if p == NULL:
-        return fx_overlap(src, nbytes, c.k, <size_t>c.cap * (c.k_row + c.v_row))
+        return fx_overlap(src, nbytes, c.k, <size_t>(c.cap - c.base) * (c.k_row + c.v_row))
     return (fx_overlap(src, nbytes, p.k_arena, <size_t>p.total * p.k_block)
             or fx_overlap(src, nbytes, p.v_arena, <size_t>p.total * p.v_block))
 
@@ -147,14 +151,14 @@ cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
 
 cdef void _gather_rows(Cache* c, Py_ssize_t n, void* k_out, void* v_out,
                        bint to_f32=False) noexcept:
-    """The first n rows into contiguous outputs (either may be NULL), without
-    the GIL when the bytes pay for it."""
+    """The first n rows held (from position ``base``) into contiguous outputs
+    (either may be NULL), without the GIL when the bytes pay for it."""
     cdef size_t width = (c.k_row if k_out != NULL else 0) + (c.v_row if v_out != NULL else 0)
     if _release_pays(n * <Py_ssize_t>width):
         with nogil:
-            cache_gather(c, 0, n, k_out, v_out, to_f32)
+            cache_gather(c, c.base, n, k_out, v_out, to_f32)
     else:
-        cache_gather(c, 0, n, k_out, v_out, to_f32)
+        cache_gather(c, c.base, n, k_out, v_out, to_f32)
 
 
 cdef void cache_detach(Cache* c) noexcept nogil:
@@ -236,12 +240,15 @@ cdef int _check_pool_geometry(KvCache c, KvBlockPool pool) except -1:
 # -- pooled caches of one sequence, reserved at once (with_pool, with_pool_many) ------
 
 cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
-                      KvBlockPool pool, max_seq_len, tokens=None, salt=None, dtype=None):
+                      KvBlockPool pool, max_seq_len, tokens=None, salt=None, dtype=None,
+                      window=None, max_chunk=None):
     """``count`` pooled caches of one geometry (one sequence's layers), each
     reserving max(1, ceil(max_seq_len / block_size)) blocks, in one
-    acquisition. With ``tokens``, the longest published prefix of them (whole
-    blocks, at most len(tokens) - 1 positions, this salt and layer count) is
-    shared instead of reserved anew, and the caches start holding it."""
+    acquisition; with a ``window``, at most what the window needs
+    (_window.pxi). With ``tokens``, the longest published prefix of them
+    (whole blocks, at most len(tokens) - 1 positions, this salt and layer
+    count) is shared instead of reserved anew, and the caches start holding
+    it."""
     cdef KvCache proto = KvCache.__new__(KvCache)
     proto._set_geometry(n_kv_heads, head_dim, v_head_dim,
                         pool.dtype if dtype is None else dtype)
@@ -251,6 +258,10 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     _check_pool_geometry(proto, pool)
     cdef Pool* p = pool.p
     cdef Py_ssize_t bs = p.block_size, per = _blocks_for(max_len, bs), i, m_max = 0, m = 0, nb
+    cdef Py_ssize_t win = _window_arg(window, max_chunk, tokens, bs)
+    if win:
+        per = min(per, _window_blocks(win, _count(max_chunk, "max_chunk", 1)
+                                      if max_chunk is not None else bs, bs))
     cdef int32_t salt_id = 0
     cdef list out = []
     cdef KvCache c
@@ -318,6 +329,8 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
             c.c.cap = nb * bs
             c.c.len = m * bs
             c.c.shared_upto = m
+            c.c.window = win
+            c.c.resv = nb if win else 0
             cc = &c.c
             pool_link(p, &cc, 1)
     finally:

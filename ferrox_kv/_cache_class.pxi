@@ -2,7 +2,7 @@
 
 @cython.no_gc_clear
 cdef class KvCache:
-    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32", rotate=None)
+    """KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype="float32", rotate=None, window=None)
 --
 
 K and V rows of one sequence in one layer.
@@ -14,7 +14,9 @@ K and V rows of one sequence in one layer.
     storage: ``"float32"`` (default), ``"float16"``, ``"bfloat16"``,
     ``"int8"`` or ``"int4"`` (docs/precision.md); input rows are converted to
     it inside the copy loop. ``rotate`` applies to int4 (``KvBlockPool``
-    says what it does; a pooled cache takes its pool's).
+    says what it does; a pooled cache takes its pool's). ``window=W`` makes
+    a sliding-window cache (see ``with_pool``): a growing buffer keeps only
+    the rows from the window of the last append on.
 
     A cache is not meant to be used from two threads at once: a method call
     that finds another call on the same cache in progress raises
@@ -37,7 +39,7 @@ K and V rows of one sequence in one layer.
                 "v_head_dim is keyword-only (v_head_dim=...)")
 
     def __init__(self, n_kv_heads=_MISSING, head_dim=_MISSING, *, v_head_dim=None,
-                 dtype="float32", rotate=None):
+                 dtype="float32", rotate=None, window=None):
         _require(type(self).__name__, ("n_kv_heads", "head_dim"), (n_kv_heads, head_dim))
         if not fx_try_claim(&self.c.busy):
             raise RuntimeError(_BUSY)
@@ -45,6 +47,7 @@ K and V rows of one sequence in one layer.
             if self.c.state != STATE_NEW:
                 raise ValueError("KvCache.__init__ called on a cache that is already set up")
             self._set_geometry(n_kv_heads, head_dim, v_head_dim, dtype, rotate)
+            self.c.window = _window_arg(window, None, None, 1)
         finally:
             _leave(self)
 
@@ -105,7 +108,8 @@ K and V rows of one sequence in one layer.
 
     @staticmethod
     def with_pool(n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
-                  *, v_head_dim=None, tokens=None, salt=None, dtype=None):
+                  *, v_head_dim=None, tokens=None, salt=None, dtype=None, window=None,
+                  max_chunk=None):
         """A cache whose rows live in ``pool``'s blocks.
 
         Takes ``max(1, ceil(max_seq_len / block_size))`` blocks up front, all or
@@ -122,9 +126,27 @@ K and V rows of one sequence in one layer.
         ``len(tokens) - 1``), sharing those blocks, and reserves the rest of
         ``max_seq_len``. Every hit is verified against the token ids stored
         with the blocks, never trusted to a hash.
+
+        With ``window=W`` (a sliding-window layer: Mistral, Gemma's local
+        layers, gpt-oss), the cache keeps only what attention over its last
+        ``push``/``extend`` can read: that call's first query reads W
+        positions up to itself, so an append of T rows to length n keeps
+        positions from ``n - W + 1`` on, and blocks wholly before that go
+        back to the pool at the append that next takes a block (in the same
+        step) or when the cache holds more than its reservation.
+        ``max_chunk`` (default ``block_size``) is the largest append the
+        reservation covers: the cache reserves
+        ``min(ceil(max_seq_len / block_size), ceil((W + max_chunk - 1) /
+        block_size) + 1)`` blocks, and appends of up to ``max_chunk`` rows
+        recycle its own blocks (a longer one, e.g. a whole prompt, takes
+        blocks from the pool for that step). ``seq_len`` counts every
+        position ever appended; ``first_pos`` is the first one still held.
+        ``attend`` applies the window, ``truncate`` cannot go back before
+        ``first_pos + W - 1``, and the cache takes no part in the prefix
+        cache (``tokens=`` with ``window=`` is a ``ValueError``).
         """
         return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
-                           tokens, salt, dtype)[0]
+                           tokens, salt, dtype, window, max_chunk)[0]
 
     def _blank(self, Py_ssize_t count):
         """``count`` empty caches like this one, to be filled by ``_assign``:
@@ -142,11 +164,13 @@ K and V rows of one sequence in one layer.
                 if self.c.pool != NULL:
                     pool_incref(self.c.pool)
                     c.c.pool = self.c.pool
+                    c.c.resv = self.c.resv
                     cc = &c.c
                     pool_link(self.c.pool, &cc, 1)
                 elif self.c.plan >= 0:
                     c._set_rows(_rows_new(self.c.plan, &c.c))
                     c.c.plan = self.c.plan
+                c.c.window = self.c.window
                 out.append(c)
         finally:
             _leave(self)
@@ -154,7 +178,8 @@ K and V rows of one sequence in one layer.
 
     @staticmethod
     def with_pool_many(count, n_kv_heads, head_dim, KvBlockPool pool not None, max_seq_len,
-                       *, v_head_dim=None, tokens=None, salt=None, dtype=None):
+                       *, v_head_dim=None, tokens=None, salt=None, dtype=None, window=None,
+                       max_chunk=None):
         """``count`` pooled caches (e.g. every layer of a sequence, or every
         layer of every sequence of a batch), reserved at once.
 
@@ -162,18 +187,32 @@ K and V rows of one sequence in one layer.
         blocks: all the caches or none. When the pool cannot cover them all,
         ``KvPoolExhausted`` and the pool is untouched (one refusal counted).
         With ``tokens``, the caches are one sequence's ``count`` layers and
-        reuse its longest published prefix, as ``with_pool`` does.
+        reuse its longest published prefix, as ``with_pool`` does. With
+        ``window``, every cache has that sliding window and each reserves
+        what the window needs, as ``with_pool`` says.
         """
         cdef Py_ssize_t n = _count(count, "count", 0)
         return _new_pooled(n, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
-                           tokens, salt, dtype)
+                           tokens, salt, dtype, window, max_chunk)
 
     # -- read-only state (answers in every state) ---------------------------
 
     @property
     def seq_len(self):
-        """Positions stored."""
+        """Positions appended (and not truncated), counting those a sliding
+        window has given back."""
         return self.c.len
+
+    @property
+    def first_pos(self):
+        """The position of the first row still held: 0, unless a sliding
+        window gave earlier blocks back. ``k``/``v`` start there."""
+        return self.c.base
+
+    @property
+    def window(self):
+        """The sliding window (``with_pool(..., window=W)``), or None."""
+        return self.c.window if self.c.window else None
 
     def __len__(self):
         return self.c.len
@@ -223,12 +262,12 @@ K and V rows of one sequence in one layer.
             _leave(self)
 
     cdef object _rows_view(self, bint want_v):
-        """(seq_len, n_kv_heads, dim) array of K or V: float32 and float16
+        """(seq_len - first_pos, n_kv_heads, dim) array of K or V: float32 and float16
         caches give a read-only view of the contiguous buffer, or a gathered
         copy when pooled; bfloat16, int8 and int4 caches a float32 copy of
         the values (dequantised, rotated back). Cache claimed."""
         cdef cnp.npy_intp dims[3]
-        cdef Py_ssize_t n = self.c.len
+        cdef Py_ssize_t n = self.c.len - self.c.base
         cdef void* data
         cdef cnp.ndarray arr
         cdef bint values = (self.c.dtype == FX_BF16 or self.c.dtype == FX_I8 or self.c.dtype == FX_I4
@@ -279,8 +318,10 @@ K and V rows of one sequence in one layer.
 
     @property
     def k(self):
-        """K rows, shape ``(seq_len, n_kv_heads, head_dim)``: float32 for
-        float32, bfloat16, int8 and int4 caches, float16 for float16 caches.
+        """K rows held, shape ``(seq_len - first_pos, n_kv_heads, head_dim)``:
+        float32 for float32, bfloat16, int8 and int4 caches, float16 for
+        float16 caches. Row i is position ``first_pos + i`` (``first_pos`` is
+        0 unless a sliding window gave earlier positions back).
 
         Contiguous float32 / float16 caches: a read-only zero-copy view that
         keeps its buffer alive; if the cache later grows into a new buffer the
@@ -297,14 +338,15 @@ K and V rows of one sequence in one layer.
 
     @property
     def v(self):
-        """V rows, shape ``(seq_len, n_kv_heads, v_head_dim)``; as for ``k``."""
+        """V rows held, shape ``(seq_len - first_pos, n_kv_heads, v_head_dim)``;
+        as for ``k``."""
         return self._claimed_view(True)
 
     cdef void _set_rows(self, _Rows r) noexcept:
         self.rows = r
         self.c.k = r.k
         self.c.v = r.v
-        self.c.cap = r.cap
+        self.c.cap = self.c.base + r.cap
 
     # -- appending ----------------------------------------------------------
 
@@ -340,7 +382,7 @@ K and V rows of one sequence in one layer.
             kb = <size_t>c.kw * <size_t>_src_size(src)
             vb = <size_t>c.vw * <size_t>_src_size(src)
             if (src == FX_F32 and c.dtype == FX_F32 and c.len < c.cap and _private_at(c, c.len)
-                    and not _release_pays(<Py_ssize_t>(kb + vb))
+                    and not _trim_due(c) and not _release_pays(<Py_ssize_t>(kb + vb))
                     and not _aliases(c, kp, kb) and not _aliases(c, vp, vb)):
                 memcpy(_k_row(c, c.len), kp, kb)       # the hot path: two memcpys
                 memcpy(_v_row(c, c.len), vp, vb)
@@ -352,10 +394,15 @@ K and V rows of one sequence in one layer.
 
     def _stored(self):
         """(k, v): copies of the stored rows as bytes, uint8 ``(seq_len,
-        row_bytes)`` (int8: scales included), for ``ferrox_kv.store``."""
+        row_bytes)`` (int8: scales included), for ``ferrox_kv.store``. A
+        windowed cache: ``ValueError`` (it holds part of its sequence)."""
         cdef cnp.ndarray k, v
         _enter(self)
         try:
+            if self.c.window:
+                raise ValueError(
+                    f"a cache with a sliding window ({self.c.window}) cannot be saved or "
+                    "exported: it holds only the positions its window still reads")
             k = np.empty((self.c.len, self.c.k_row), np.uint8)
             v = np.empty((self.c.len, self.c.v_row), np.uint8)
             _gather_rows(&self.c, self.c.len, cnp.PyArray_DATA(k), cnp.PyArray_DATA(v))
@@ -468,6 +515,12 @@ K and V rows of one sequence in one layer.
         costs about as much accuracy as K's own quantisation. Bad shapes,
         an empty cache, q_len beyond seq_len, ``window < 1``, a wrong
         ``out`` or ``threads``: ``ValueError``, nothing changed.
+
+        A cache with a sliding window (``with_pool(..., window=W)``) applies
+        its own window when ``window`` is None; a larger ``window`` is a
+        ``ValueError``, and so is a call whose queries would read a
+        position the window gave back (more queries than its last append
+        added). Positions before the window are never read.
         """
         return _attend_call((self,), q, scale, window, out, start, False, threads)
 
@@ -476,7 +529,12 @@ K and V rows of one sequence in one layer.
     def truncate(self, new_seq_len):
         """Roll back to exactly ``new_seq_len`` positions (speculative decoding
         rejects drafts this way). Capacity and pool blocks are kept, so growing
-        back costs no blocks. Beyond ``seq_len`` or negative: ``ValueError``."""
+        back costs no blocks. Beyond ``seq_len`` or negative: ``ValueError``.
+        A sliding-window cache rolls back within its window: a target whose
+        next append would read a position given back (below ``first_pos +
+        window - 1``, other than 0) is a ``ValueError`` that says so,
+        nothing changed. ``truncate(0)`` (and ``clear()``) always works: the
+        blocks held then hold positions from 0 again."""
         n = _index(new_seq_len, "new_seq_len")
         _enter(self)
         try:
@@ -485,6 +543,10 @@ K and V rows of one sequence in one layer.
             if n > self.c.len:
                 raise ValueError(
                     f"truncate target {n} must not exceed current seq_len {self.c.len}")
+            _check_truncate(&self.c, n)
+            if n == 0 and self.c.base:     # a window starts over: its rows from position 0
+                self.c.cap -= self.c.base
+                self.c.base = 0
             self.c.len = n
         finally:
             _leave(self)
@@ -498,15 +560,17 @@ K and V rows of one sequence in one layer.
 
         The rows are kept: they are copied (GIL released when large) into a
         private buffer of the same capacity, and from then on the cache is an
-        ordinary growable cache. No-op for unpooled caches; idempotent.
+        ordinary growable cache. No-op for unpooled caches; idempotent. A
+        windowed cache keeps its window and the rows it held (from
+        ``first_pos``), and from then on gives nothing back.
         """
         cdef _Rows r
         _enter(self)
         try:
             if self.c.pool == NULL:
                 return
-            r = _rows_new(self.c.cap, &self.c)
-            _gather_rows(&self.c, self.c.len, r.k, r.v)
+            r = _rows_new(self.c.cap - self.c.base, &self.c)
+            _gather_rows(&self.c, self.c.len - self.c.base, r.k, r.v)
             cache_detach(&self.c)
             self._set_rows(r)
         finally:
@@ -548,7 +612,7 @@ K and V rows of one sequence in one layer.
         ``blocks_held * pool.block_bytes``."""
         _enter(self)
         _leave(self)
-        return self.c.cap * <Py_ssize_t>(self.c.k_row + self.c.v_row)
+        return (self.c.cap - self.c.base) * <Py_ssize_t>(self.c.k_row + self.c.v_row)
 
     def is_within_planned_capacity(self):
         """True only for a ``with_capacity`` cache (or its copy) whose
@@ -564,16 +628,21 @@ K and V rows of one sequence in one layer.
 
         Detached from any pool: it holds no blocks and gives none back. Its
         capacity equals its length (like a Rust ``Vec`` clone), so its next
-        push grows it. The copy runs without the GIL when large."""
+        push grows it. The copy runs without the GIL when large. A windowed
+        cache's copy has its window and the rows it holds (from
+        ``first_pos``)."""
         cdef KvCache out = KvCache.__new__(KvCache)
         cdef _Rows r
         _enter(self)
         try:
             out._copy_geometry(self)
             out.c.plan = self.c.plan
-            if self.c.len:
-                r = _rows_new(self.c.len, &self.c)
-                _gather_rows(&self.c, self.c.len, r.k, r.v)
+            out.c.window = self.c.window
+            out.c.base = self.c.base
+            out.c.cap = self.c.base
+            if self.c.len > self.c.base:
+                r = _rows_new(self.c.len - self.c.base, &self.c)
+                _gather_rows(&self.c, self.c.len - self.c.base, r.k, r.v)
                 out._set_rows(r)
             out.c.len = self.c.len
         finally:
@@ -590,7 +659,9 @@ K and V rows of one sequence in one layer.
         plan then never needs a block in parent or child. A write into a
         shared block (only after ``truncate`` back into shared territory)
         copies that block first, which takes a free block and may raise
-        ``KvPoolExhausted``. Contiguous caches: ``copy()``."""
+        ``KvPoolExhausted``. A windowed cache's child has its window, the
+        blocks from ``first_pos`` on and its reservation. Contiguous caches:
+        ``copy()``."""
         if self.c.pool == NULL:
             return self.copy()
         child = self._blank(1)[0]
@@ -622,4 +693,5 @@ K and V rows of one sequence in one layer.
         return (f"KvCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"v_head_dim={self.v_head_dim}, dtype={self.dtype!r}, seq_len={self.c.len}, "
                 f"{kind}, "
-                f"capacity={self.c.cap}, blocks_held={self.c.n_blocks})")
+                + (f"window={self.c.window}, first_pos={self.c.base}, " if self.c.window else "")
+                + f"capacity={self.c.cap}, blocks_held={self.c.n_blocks})")

@@ -60,7 +60,10 @@ cdef int _check_locked(Pool* p, int32_t* mark, Py_ssize_t* where) noexcept nogil
     # 2. every table entry of every cache counts once
     c = <Cache*>p.caches
     while c != NULL and rc == 0:
-        if c.cap != c.n_blocks * p.block_size or c.len > c.cap or c.shared_upto > c.n_blocks:
+        if (c.cap != c.base + c.n_blocks * p.block_size or c.len > c.cap
+                or c.shared_upto > c.n_blocks or c.base % p.block_size != 0 or c.len < c.base
+                or (c.window == 0 and c.base != 0)
+                or (c.window != 0 and c.base > max(c.len - c.window + 1, 0))):
             where[0] = n_cache
             rc = CHECK_CACHE_SHAPE
         for j in range(c.n_blocks):
@@ -170,7 +173,8 @@ _CHECK_MESSAGES = {
     CHECK_REFS: "a block's reference count differs from the table entries naming it",
     CHECK_RAW: "a block from allocate() is named by a cache or held twice",
     CHECK_FREE_HELD: "a free block has holders",
-    CHECK_CACHE_SHAPE: "a cache's capacity, length or shared prefix disagrees with its table",
+    CHECK_CACHE_SHAPE: ("a cache's capacity, length, shared prefix or first position "
+                        "disagrees with its table or its window"),
     CHECK_PRIVATE: "a block a cache may write in place is shared or published",
     CHECK_ENTRY_BLOCKS: "a prefix-cache entry does not own exactly its blocks",
     CHECK_ENTRY_HELD: "a prefix-cache entry miscounts its held blocks",

@@ -261,6 +261,10 @@ ctypedef struct Cache:
     Py_ssize_t table_cap
     Py_ssize_t shared_upto    # table[i] for i >= shared_upto is this cache's alone
     Py_ssize_t plan           # with_capacity plan, -1 when none
+    Py_ssize_t base           # position of the first row held (0 unless windowed;
+    #                           pooled: a multiple of block_size, table[0] holds it)
+    Py_ssize_t window         # 0, or the sliding window (_window.pxi)
+    Py_ssize_t resv           # windowed pooled: blocks held ahead (the reservation)
     int busy                  # claimed by a method call
     int state                 # STATE_*
     void* pool_prev           # Cache*: the pool's list of its caches
@@ -377,6 +381,14 @@ cdef void cache_gather(Cache* c, Py_ssize_t start, Py_ssize_t n,
                        void* k_out, void* v_out, bint to_f32) noexcept nogil  # [no lock]
 cdef void cache_detach(Cache* c) noexcept nogil                     # [takes lock]
 cdef Py_ssize_t _blocks_for(Py_ssize_t rows, Py_ssize_t bs) noexcept nogil      # [no lock]
+
+
+# -- _window.pxi: sliding-window caches (the caller has claimed the cache) -------------
+
+cdef Py_ssize_t _window_blocks(Py_ssize_t window, Py_ssize_t max_chunk,
+                               Py_ssize_t bs) noexcept nogil        # [no lock]
+cdef bint _trim_due(Cache* c) noexcept nogil                        # [no lock]
+cdef Py_ssize_t _trim_to(Cache* c, Py_ssize_t n) noexcept nogil     # [no lock]
 
 
 # -- _attend.pxi, _testing.pxi ---------------------------------------------------------

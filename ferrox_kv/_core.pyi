@@ -118,7 +118,7 @@ class KvCache:
     def __init__(
         self, n_kv_heads: int, head_dim: int, *, v_head_dim: int | None = None,
         dtype: _DType = "float32",
-        rotate: bool | None = None,
+        rotate: bool | None = None, window: int | None = None,
     ) -> None: ...
     @staticmethod
     def with_capacity(
@@ -137,6 +137,8 @@ class KvCache:
         tokens: npt.ArrayLike | None = None,
         salt: _Salt = None,
         dtype: _DType | None = None,
+        window: int | None = None,
+        max_chunk: int | None = None,
     ) -> KvCache: ...
     @staticmethod
     def with_pool_many(
@@ -150,6 +152,8 @@ class KvCache:
         tokens: npt.ArrayLike | None = None,
         salt: _Salt = None,
         dtype: _DType | None = None,
+        window: int | None = None,
+        max_chunk: int | None = None,
     ) -> list[KvCache]: ...
     @property
     def n_kv_heads(self) -> int: ...
@@ -163,6 +167,12 @@ class KvCache:
     def rotate(self) -> bool: ...
     @property
     def seq_len(self) -> int: ...
+    @property
+    def first_pos(self) -> int:
+        """The position of the first row still held (0 unless a sliding window
+        gave earlier blocks back); ``k``/``v`` row 0 is this position."""
+    @property
+    def window(self) -> int | None: ...
     @property
     def closed(self) -> bool: ...
     @property

@@ -21,6 +21,7 @@ the includes, by topic:
 * ``_pool_class.pxi``: ``KvBlockPool`` and ``KvPoolExhausted``;
 * ``_cache.pxi``: the C rows of a cache (where rows live, copies, claiming
   a cache for one call) and the reservation of pooled caches;
+* ``_window.pxi``: sliding-window caches (the blocks a window gave back);
 * ``_cache_class.pxi``: ``KvCache``;
 * ``_batch.pxi``: calls over several caches at once (the write path,
   ``push_layers``, forks and reorders of a batch);
@@ -51,7 +52,7 @@ Locking rules (see docs/usage.md, "Thread safety"):
 cimport cython
 from libc.stdint cimport int32_t, uint16_t, uint64_t, INT32_MAX
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcmp, memcpy, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 cimport numpy as cnp
 import numpy as np
@@ -112,6 +113,7 @@ include "_prefix.pxi"
 include "_prefix_io.pxi"
 include "_pool_class.pxi"
 include "_cache.pxi"
+include "_window.pxi"
 include "_cache_class.pxi"
 include "_batch.pxi"
 include "_attend.pxi"

@@ -368,6 +368,11 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             for i in range(n):
                 if cs[i].pool != p:
                     raise ValueError(f"caches[{i}] is not a pooled cache of this pool")
+                if cs[i].window:
+                    raise ValueError(
+                        f"caches[{i}] has a sliding window ({cs[i].window}): windowed caches "
+                        "take no part in the prefix cache (they give back the blocks a "
+                        "hit would share); publish the full-attention layers only")
                 if cs[i].len != cs[0].len:
                     raise ValueError(f"caches[{i}] holds {cs[i].len} positions, caches[0] "
                                      f"{cs[0].len}: one sequence's layers have one length")

@@ -81,7 +81,7 @@ def _copy_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t r
 
 cdef float _read_cache(Cache* c) noexcept nogil:
     """Every K and V float of a cache's rows read once, where they lie."""
-    cdef Py_ssize_t r = 0, m
+    cdef Py_ssize_t r = c.base, m
     cdef float acc = 0
     while r < c.len:
         m = _run(c, r, c.len)
@@ -126,7 +126,7 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
                         acc += _read_cache(cs[i])
             return acc
         for i in range(n):
-            r = 0
+            r = cs[i].base
             while r < cs[i].len:
                 r += _run(cs[i], r, cs[i].len)
                 total += 2
@@ -137,7 +137,7 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
             raise MemoryError()
         f.runs = 0
         for i in range(n):
-            r = 0
+            r = cs[i].base
             while r < cs[i].len:
                 m = _run(cs[i], r, cs[i].len)
                 f.p[f.runs] = <const float*>_k_row(cs[i], r)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from ferrox_kv import KvBlockPool, KvPoolExhausted  # noqa: E402
-from ferrox_kv.hf import FerroxCache, FerroxLayer, kv_geometry  # noqa: E402
+from ferrox_kv.hf import FerroxCache, FerroxLayer, kv_geometry, layer_windows  # noqa: E402
 from support.models import VOCAB, config  # noqa: E402
 from support.models import prompt as _prompt  # noqa: E402
 
@@ -60,6 +60,15 @@ def _pool_for(model, blocks, block_size=8):
     return KvBlockPool(block_size, blocks, h, d)
 
 
+def _plan(model, max_seq_len, block_size=8):
+    """Blocks one sequence of ``model`` reserves: ceil(max_seq_len / block_size)
+    per full layer; a sliding layer at most what its window needs
+    (``KvCache.with_pool`` with ``window=``, ``max_chunk`` = block_size)."""
+    per = -(-max_seq_len // block_size)
+    return sum(per if w is None else min(per, -(-(w + block_size - 1) // block_size) + 1)
+               for w in layer_windows(model.config))
+
+
 def _gen(model, ids, cache, **kw):
     kw.setdefault("max_new_tokens", 40)
     kw.setdefault("do_sample", False)
@@ -87,7 +96,8 @@ def test_returned_keys_are_zero_copy_views_of_contiguous_caches(model):
     _gen(model, _prompt(), cache, max_new_tokens=3)
     layer = cache.layers[0]
     keys, values = layer._gather()
-    kview = layer.seqs[0].k
+    # a sliding layer hands over its window: the rows from the last step's offset
+    kview = layer.seqs[0].k[layer._offset - layer.seqs[0].first_pos:]
     assert keys.shape == (1, kview.shape[1], kview.shape[0], kview.shape[2])
     assert keys.data_ptr() == kview.__array_interface__["data"][0]
     assert torch.equal(keys[0].permute(1, 0, 2), torch.from_numpy(kview.copy()))
@@ -96,16 +106,18 @@ def test_returned_keys_are_zero_copy_views_of_contiguous_caches(model):
 def test_pooled_generation_is_identical_and_every_block_comes_back(model):
     ids = _prompt()
     ref = _reference(model, ids)
-    layers = model.config.num_hidden_layers
     pool = _pool_for(model, 64)
     with FerroxCache(model.config, pool=pool, max_seq_len=52) as cache:
-        assert pool.used_blocks == layers * 7 == cache.blocks_held     # ceil(52 / 8) per layer
+        assert pool.used_blocks == _plan(model, 52) == cache.blocks_held     # ceil(52 / 8) per full layer
         got = _gen(model, ids, cache)
-        assert pool.used_blocks == layers * 7                          # never grew
+        assert pool.used_blocks == _plan(model, 52)                          # never grew
     assert torch.equal(ref, got)
     assert pool.free_blocks == 64
     s = pool.stats()
-    assert s["acquired"] == s["released"] == layers * 7
+    assert s["acquired"] == s["released"]
+    assert s["high_water"] == _plan(model, 52)                     # never past the reservation
+    if all(w is None for w in layer_windows(model.config)):
+        assert s["acquired"] == _plan(model, 52)   # (sliding layers recycle their blocks)
 
 
 def test_pooled_cache_gives_blocks_back_when_garbage_collected(model):
@@ -119,16 +131,15 @@ def test_pooled_cache_gives_blocks_back_when_garbage_collected(model):
 
 
 def test_admission_is_refused_with_the_pool_untouched_when_one_block_short(model):
-    layers = model.config.num_hidden_layers
-    pool = _pool_for(model, layers * 7 - 1)
+    pool = _pool_for(model, _plan(model, 52) - 1)
     before = pool.stats()
     with pytest.raises(KvPoolExhausted) as ei:
         FerroxCache(model.config, pool=pool, max_seq_len=52)
-    assert ei.value.requested == layers * 7 and ei.value.free == layers * 7 - 1
+    assert ei.value.requested == _plan(model, 52) and ei.value.free == _plan(model, 52) - 1
     after = pool.stats()
-    assert after["free_blocks"] == before["free_blocks"] == layers * 7 - 1
+    assert after["free_blocks"] == before["free_blocks"] == _plan(model, 52) - 1
     assert after["acquired"] == before["acquired"] == 0
-    pool2 = _pool_for(model, layers * 7)
+    pool2 = _pool_for(model, _plan(model, 52))
     FerroxCache(model.config, pool=pool2, max_seq_len=52).close()    # exactly enough
 
 
@@ -207,24 +218,22 @@ def test_beam_search_with_three_beams_is_identical(model):
     ids = _prompt(9, seed=10)
     kw = dict(num_beams=3, max_new_tokens=20, early_stopping=True)
     ref = _reference(model, ids, **kw)
-    layers = model.config.num_hidden_layers
     pool = _pool_for(model, 256)
     with FerroxCache(model.config, pool=pool, max_seq_len=30) as cache:
         got = _gen(model, ids, cache, **kw)
         assert cache.batch_size == 3                          # reserved on the way
-        assert cache.blocks_held == 3 * layers * 4             # every beam holds its plan
-        assert pool.used_blocks < 3 * layers * 4               # the common blocks once
+        assert cache.blocks_held == 3 * _plan(model, 30)             # every beam holds its plan
+        assert pool.used_blocks < 3 * _plan(model, 30)               # the common blocks once
     assert torch.equal(ref, got)
     assert pool.free_blocks == 256
 
 
 def test_beam_search_refuses_when_the_extra_beams_do_not_fit(model):
-    layers = model.config.num_hidden_layers
-    pool = _pool_for(model, 2 * layers * 4)                 # room for 2 of the 3 beams
+    pool = _pool_for(model, 2 * _plan(model, 30))                 # room for 2 of the 3 beams
     cache = FerroxCache(model.config, pool=pool, max_seq_len=30)
     with pytest.raises(KvPoolExhausted):
         _gen(model, _prompt(9, seed=10), cache, num_beams=3, max_new_tokens=5)
-    assert pool.used_blocks == layers * 4 and cache.batch_size == 1     # unchanged
+    assert pool.used_blocks == _plan(model, 30) and cache.batch_size == 1     # unchanged
     cache.close()
     assert pool.free_blocks == pool.total_blocks
 
@@ -551,7 +560,7 @@ def test_a_chat_reuses_its_history_prefills_only_the_rest_and_is_identical(model
     for turn in range(3):
         ref = _reference(model, history, **kw)                  # from scratch, no reuse
         with FerroxCache(model.config, pool=pool, max_seq_len=history.shape[1] + 8,
-                         tokens=history[0]) as cache:
+                         tokens=history[0], sliding_windows=False) as cache:
             reused = cache.get_seq_length()
             assert reused == min(published, (history.shape[1] - 1) // 4 * 4) and (reused or not turn)
             fed.clear()
@@ -568,6 +577,21 @@ def test_a_chat_reuses_its_history_prefills_only_the_rest_and_is_identical(model
     pool.check()
 
 
+def test_prefix_reuse_with_sliding_windows_is_refused_by_name(model):
+    """Windowed caches take no part in the prefix cache (issue 26, option
+    (a)): a model with a sliding layer reuses prefixes only when its sliding
+    layers are stored whole."""
+    pool = _prefix_pool(model)
+    before = pool.stats()
+    if any(w is not None for w in layer_windows(model.config)):
+        with pytest.raises(ValueError, match="sliding-window layers.*sliding_windows=False"):
+            FerroxCache(model.config, pool=pool, max_seq_len=16, tokens=[1, 2, 3])
+        assert pool.stats() == before
+    else:
+        FerroxCache(model.config, pool=pool, max_seq_len=16, tokens=[1, 2, 3]).close()
+    pool.check()
+
+
 def test_a_prompt_shorter_than_a_block_counts_as_a_prefix_miss(ferrox_llama):
     pool = _prefix_pool(ferrox_llama, block_size=4)
     for prompt in ([1, 2, 3], [1, 2, 3, 4]):               # no whole block to reuse
@@ -581,12 +605,15 @@ def test_a_prompt_shorter_than_a_block_counts_as_a_prefix_miss(ferrox_llama):
 def test_prefix_reuse_arguments_are_checked(model):
     pool = _prefix_pool(model)
     with pytest.raises(ValueError, match="batch of 1"):
-        FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2, tokens=[1, 2, 3])
+        FerroxCache(model.config, pool=pool, max_seq_len=16, batch_size=2, tokens=[1, 2, 3],
+                    sliding_windows=False)
     with pytest.raises(ValueError, match="prefix_cache=True"):
-        FerroxCache(model.config, pool=_pool_for(model, 64), max_seq_len=16, tokens=[1, 2, 3])
+        FerroxCache(model.config, pool=_pool_for(model, 64), max_seq_len=16, tokens=[1, 2, 3],
+                    sliding_windows=False)
     with pytest.raises(ValueError, match="needs a pool"):
-        FerroxCache(model.config, max_seq_len=16, tokens=[1, 2, 3])
-    cache = FerroxCache(model.config, pool=pool, max_seq_len=16, tokens=[1, 2, 3])
+        FerroxCache(model.config, max_seq_len=16, tokens=[1, 2, 3], sliding_windows=False)
+    cache = FerroxCache(model.config, pool=pool, max_seq_len=16, tokens=[1, 2, 3],
+                        sliding_windows=False)
     _gen(model, torch.tensor([[1, 2, 3]]), cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="4 positions"):
         cache.publish([1, 2])

@@ -61,9 +61,14 @@ Copies, said plainly:
   at each access: zero-copy for a contiguous float32 CPU cache of batch 1,
   else a copy.
 
-Sliding-window layers are stored whole, so they cost full-length memory;
-models with non-attention layers (linear attention, state-space) are refused
-with ``ValueError``.
+Sliding-window layers (``layer_types`` entries ``"sliding_attention"``, or
+every layer of a config with ``sliding_window`` and no ``layer_types``) get
+windowed caches (``KvCache`` ``window=``): they keep what the window still
+reads and give the rest back, so a Gemma 3 sequence holds its five sliding
+layers' windows and only its full layers' whole length.
+``FerroxCache(..., sliding_windows=False)`` stores them whole (prefix reuse,
+``tokens=``, needs that). Models with non-attention layers (linear
+attention, state-space) are refused with ``ValueError``.
 
 Reservation. With a pool, the blocks for ``max_seq_len`` positions of every
 layer of ``batch_size`` sequences are taken at construction in one
@@ -101,9 +106,9 @@ from ferrox_kv.hf.attention import (
     PackedAttention,
     ferrox_attention,
 )
-from ferrox_kv.hf.cache import FerroxCache, FerroxLayer, fingerprint, kv_geometry
+from ferrox_kv.hf.cache import FerroxCache, FerroxLayer, fingerprint, kv_geometry, layer_windows
 from ferrox_kv.hf.packed import PackedCache, PackedLayer
 
 __all__ = ["ATTENTION", "COMPILE_REFUSED", "SDPA_PREFILL_MIN", "FerroxCache",
            "FerroxCompileError", "FerroxLayer", "PackedAttention", "PackedCache", "PackedLayer",
-           "ferrox_attention", "fingerprint", "kv_geometry"]
+           "ferrox_attention", "fingerprint", "kv_geometry", "layer_windows"]

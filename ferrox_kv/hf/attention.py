@@ -71,13 +71,15 @@ def _ferrox_mask(**args):
     return prepared if isinstance(prepared, _Mask) else _Mask(args)
 
 
-def _direct_mask(padding, batch, q_len, kv_len, window, device):
+def _direct_mask(padding, batch, q_len, kv_len, window, device, kv_offset=0):
     """A ``_Mask`` for a 2D padding mask handed to ``ferrox_attention``
     directly (not through the mask function): the queries are then the last
-    ``q_len`` of the ``kv_len`` positions and the padding spans them."""
+    ``q_len`` of the ``kv_len`` positions and the padding spans them; the
+    keys start at ``kv_offset`` (a sliding layer's window)."""
     fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
-    return _Mask(dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
-                      kv_offset=0, mask_function=fn, allow_is_causal_skip=True,
+    return _Mask(dict(batch_size=batch, q_length=q_len, kv_length=kv_len - kv_offset,
+                      q_offset=kv_len - q_len, kv_offset=kv_offset, mask_function=fn,
+                      allow_is_causal_skip=True,
                       attention_mask=None if padding is None else
                       padding[:, -kv_len:].to(device=device, dtype=torch.bool),
                       local_size=window, device=device))
@@ -156,7 +158,8 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         mask = None                                       # a custom mask: SDPA, as given
     else:                                                 # 2D padding or None, handed directly
         kv = layer.get_seq_length() if layer is not None else key.shape[2]
-        mask = _direct_mask(attention_mask, batch, q_len, kv, sliding_window, query.device)
+        mask = _direct_mask(attention_mask, batch, q_len, kv, sliding_window, query.device,
+                            getattr(layer, "_offset", 0) if layer is not None else 0)
     if layer is not None:
         kv_len = layer.get_seq_length()
         fresh = key.shape[2] == kv_len == q_len           # update handed back the incoming K/V

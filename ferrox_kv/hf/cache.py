@@ -31,6 +31,23 @@ def kv_geometry(config):
     return cfg.num_hidden_layers, int(n_kv), int(head_dim)
 
 
+def layer_windows(config, n_layers=None):
+    """Each layer's sliding window, or None for a layer that attends to every
+    position: ``sliding_window`` for the layers whose ``layer_types`` entry
+    is ``"sliding_attention"`` (Gemma 2/3, gpt-oss, Qwen2 with
+    ``use_sliding_window``), for every layer when the config has a
+    ``sliding_window`` and no ``layer_types`` (Mistral), else None."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = cfg.num_hidden_layers if n_layers is None else n_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window:
+        return [None] * n
+    if types is None:
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types[:n]]
+
+
 _STORAGE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -101,11 +118,12 @@ def _order(beam_idx, n):
 class _SeqsLayer(CacheLayerMixin):
     """The base of ferrox_kv's cache layers: model layer ``layer_idx`` of
     several sequences, one ``KvCache`` each (``seqs``), whose K/V the
-    "ferrox" attention reads in place. Not compileable, not sliding (a
-    sliding-window layer is stored whole; the kernel applies the window)."""
+    "ferrox" attention reads in place. Not compileable; not sliding unless a
+    ``FerroxLayer`` holds windowed caches."""
 
     is_compileable = False
     is_sliding = False
+    sliding_window = None
 
     def __init__(self, layer_idx: int, seqs=()):
         super().__init__()
@@ -143,11 +161,27 @@ class FerroxLayer(_SeqsLayer):
 
     is_croppable = True
 
-    def __init__(self, owner: "FerroxCache", layer_idx: int):
+    def __init__(self, owner: "FerroxCache", layer_idx: int, window=None):
         super().__init__(layer_idx)
         self._owner_ref = weakref.ref(owner)     # no cycle: dropping the cache frees blocks
         self.dtype = None
         self.device = None
+        # a sliding layer's caches keep only its window (KvCache window=); as
+        # DynamicSlidingWindowLayer, it tells mask creation which positions
+        # the K/V it hands over start at (_offset: those of the last update)
+        self.sliding_window = window
+        self.is_sliding = window is not None
+        self._offset = 0
+
+    def _window_start(self, length) -> int:
+        """The first position a step at ``length`` positions reads (0 for a
+        full layer): DynamicSlidingWindowLayer's ``kv_offset``."""
+        return max(0, length - self.sliding_window + 1) if self.is_sliding else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        length = self.get_seq_length()
+        offset = self._window_start(length)
+        return length + query_length - offset, offset
 
     @property
     def _owner(self) -> "FerroxCache":
@@ -156,14 +190,17 @@ class FerroxLayer(_SeqsLayer):
     @property
     def keys(self):
         """K as DynamicCache holds it: ``(batch, kv_heads, seq_len, head_dim)``
-        in the model's dtype and device; None before the first update. A
+        in the model's dtype and device (a sliding layer: its last
+        ``sliding_window - 1`` positions, as DynamicSlidingWindowLayer's);
+        None before the first update. A
         zero-copy view of a contiguous CPU cache of batch 1 that stores the
         model's dtype, float32 or float16 (it shows
         the buffer at the time of access: rows written later into a new buffer
         do not show); otherwise a copy gathered at each access (pooled blocks,
         batch > 1, bfloat16 or int8 storage, another dtype or device). Read it, do not write it: writes
         into a view bypass the cache."""
-        return self._tensor(False) if self.is_initialized and self.seqs else None
+        return (self._tensor(False, self._window_start(self.get_seq_length()))
+                if self.is_initialized and self.seqs else None)
 
     @keys.setter
     def keys(self, value):
@@ -173,7 +210,8 @@ class FerroxLayer(_SeqsLayer):
     @property
     def values(self):
         """V, as ``keys``."""
-        return self._tensor(True) if self.is_initialized and self.seqs else None
+        return (self._tensor(True, self._window_start(self.get_seq_length()))
+                if self.is_initialized and self.seqs else None)
 
     @values.setter
     def values(self, value):
@@ -210,6 +248,7 @@ class FerroxLayer(_SeqsLayer):
         kn = _rows(key_states)
         vn = _rows(value_states)
         before = self.get_seq_length()
+        self._offset = self._window_start(before)
         owner._warn_past_reservation(before + kt)
         try:
             _extend_each(self.seqs, kn, vn)        # every sequence or none
@@ -231,12 +270,15 @@ class FerroxLayer(_SeqsLayer):
         return self._gather()
 
     def _gather(self):
-        return self._tensor(False), self._tensor(True)
+        """The K/V the last update's attention reads: every position, or a
+        sliding layer's from its window (what ``get_mask_sizes`` said)."""
+        return self._tensor(False, self._offset), self._tensor(True, self._offset)
 
-    def _tensor(self, want_v):
-        """K (or V) of every sequence as ``(batch, heads, seq_len, head_dim)``
-        in the model's dtype and device: zero-copy for one contiguous CPU
-        cache storing the model's dtype (float32 or float16), else a copy."""
+    def _tensor(self, want_v, start=0):
+        """K (or V) of every sequence from position ``start`` as ``(batch,
+        heads, positions, head_dim)`` in the model's dtype and device:
+        zero-copy for one contiguous CPU cache storing the model's dtype
+        (float32 or float16), else a copy."""
         rows = []
         for cache in self.seqs:
             if cache.is_pooled or cache.dtype in ("bfloat16", "int8"):
@@ -244,6 +286,7 @@ class FerroxLayer(_SeqsLayer):
                 a.setflags(write=True)                 # it owns its memory; torch wants it writable
             else:
                 a = cache._views()[want_v]             # zero-copy (float32 or float16)
+            a = a[start - cache.first_pos:]            # rows held start at first_pos
             rows.append(torch.from_numpy(a).permute(1, 0, 2))   # (H, S, D) view
         t = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
         if self.dtype is not None and t.dtype != self.dtype:
@@ -323,7 +366,8 @@ class FerroxCache(Cache):
     ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
     def __init__(self, config=None, pool: KvBlockPool | None = None, max_seq_len: int | None = None,
-                 batch_size: int = 1, *, tokens=None, salt=None, dtype="auto"):
+                 batch_size: int = 1, *, tokens=None, salt=None, dtype="auto",
+                 sliding_windows: bool = True):
         if isinstance(config, torch.nn.Module):
             raise TypeError("FerroxCache takes the model's config, not the model: "
                             "FerroxCache(model.config, ...)")
@@ -344,6 +388,7 @@ class FerroxCache(Cache):
                           if t not in self.ATTENTION_LAYER_TYPES})
             if odd:
                 raise ValueError(f"FerroxCache holds attention K/V only; this model has {odd} layers")
+        windows = layer_windows(config, n_layers) if sliding_windows and config is not None else []
         if pool is not None:
             if max_seq_len is None:
                 raise ValueError("max_seq_len is required with a pool: it is what gets reserved")
@@ -372,6 +417,11 @@ class FerroxCache(Cache):
             if pool is None:
                 raise ValueError("tokens= needs a pool with a prefix cache: "
                                  "KvBlockPool(..., prefix_cache=True)")
+            if any(w is not None for w in windows):
+                raise ValueError(
+                    "tokens= (prefix reuse) needs every layer to hold its whole sequence; this "
+                    "model has sliding-window layers, whose caches give their blocks back. "
+                    "Pass sliding_windows=False to store them whole and reuse prefixes")
             tokens = _ids(tokens)
         self._tokens = tokens
         self.salt = salt
@@ -384,7 +434,8 @@ class FerroxCache(Cache):
         self.max_seq_len = max_seq_len
         self.n_kv_heads = n_kv
         self.head_dim = head_dim
-        super().__init__(layers=[FerroxLayer(self, i) for i in range(n_layers)])
+        super().__init__(layers=[FerroxLayer(self, i, windows[i] if windows else None)
+                                 for i in range(n_layers)])
         self._ensure_batch(batch_size)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -404,7 +455,8 @@ class FerroxCache(Cache):
             try:
                 while len(self.layers) <= layer_idx:
                     layer = FerroxLayer(self, len(self.layers))
-                    layer.seqs = self._new_caches(self.batch_size if self.layers else self._batch0)
+                    layer.seqs = self._new_caches(self.batch_size if self.layers else self._batch0,
+                                                  [layer])
                     self.layers.append(layer)
                     added.append(layer)
             except BaseException:
@@ -470,16 +522,50 @@ class FerroxCache(Cache):
                 f"model.set_attn_implementation({ATTENTION!r}) reads the cache in place",
                 stacklevel=3)
 
-    def _new_caches(self, count):
-        if self.pool is not None:
-            tokens, self._tokens = self._tokens, None      # the first sequence only
-            return KvCache.with_pool_many(count, self.n_kv_heads, self.head_dim, self.pool,
-                                          self.max_seq_len, tokens=tokens,
+    def _new_caches(self, count, layers, dtype=None):
+        """``count`` caches for each of ``layers``, layer after layer: pooled
+        (all reserved, or none: ``KvPoolExhausted``, pool untouched),
+        pre-allocated to ``max_seq_len``, or growing; a sliding layer's keep
+        its window (``KvCache`` ``window=``)."""
+        dtype = self.dtype if dtype is None else dtype
+        if self.pool is None:
+            return [self._contiguous(layer.sliding_window, dtype)
+                    for layer in layers for _ in range(count)]
+        h, d, pool = self.n_kv_heads, self.head_dim, self.pool
+        tokens, self._tokens = self._tokens, None          # the first sequence only
+        windows = sorted({layer.sliding_window or 0 for layer in layers})
+        if len(windows) == 1:                              # one acquisition
+            w = windows[0] or None
+            return KvCache.with_pool_many(count * len(layers), h, d, pool, self.max_seq_len,
+                                          tokens=tokens, window=w,
                                           salt=self.salt if tokens is not None else None)
+        # several windows: one acquisition each, after checking they all fit
+        bs = pool.block_size
+        per = max(1, -(-self.max_seq_len // bs))
+        need = sum(count * (min(per, -(-(w + bs - 1) // bs) + 1) if w else per)
+                   for w in (layer.sliding_window for layer in layers))
+        if need > pool.free_blocks:
+            raise KvPoolExhausted(need, pool.free_blocks)
+        made = {}
+        try:
+            for w in windows:
+                n = count * sum((layer.sliding_window or 0) == w for layer in layers)
+                made[w] = KvCache.with_pool_many(n, h, d, pool, self.max_seq_len,
+                                                 window=w or None)
+        except BaseException:
+            for caches in made.values():
+                for c in caches:
+                    c.close()
+            raise
+        return [made[layer.sliding_window or 0].pop(0) for layer in layers for _ in range(count)]
+
+    def _contiguous(self, window, dtype):
+        if window is not None:
+            return KvCache(self.n_kv_heads, self.head_dim, dtype=dtype, window=window)
         if self.max_seq_len is not None:
-            return [KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len,
-                                          dtype=self.dtype) for _ in range(count)]
-        return [KvCache(self.n_kv_heads, self.head_dim, dtype=self.dtype) for _ in range(count)]
+            return KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len,
+                                         dtype=dtype)
+        return KvCache(self.n_kv_heads, self.head_dim, dtype=dtype)
 
     def _settle_auto_dtype(self, model_dtype) -> None:
         """dtype="auto" without a pool: the first update shows the dtype the
@@ -491,9 +577,7 @@ class FerroxCache(Cache):
         if any(c.seq_len for layer in self.layers for c in layer.seqs):
             return
         batch = self.batch_size
-        fresh = [KvCache.with_capacity(self.n_kv_heads, self.head_dim, self.max_seq_len, dtype=want)
-                 if self.max_seq_len is not None else KvCache(self.n_kv_heads, self.head_dim, dtype=want)
-                 for _ in range(batch * len(self.layers))]
+        fresh = self._new_caches(batch, self.layers, want)
         self.dtype = want
         for i, layer in enumerate(self.layers):
             for c in layer.seqs:
@@ -534,7 +618,7 @@ class FerroxCache(Cache):
         if batch <= have:
             return
         if have == 0:
-            fresh = self._new_caches(batch * len(self.layers))  # raises before any change
+            fresh = self._new_caches(batch, self.layers)  # raises before any change
             for i, layer in enumerate(self.layers):
                 layer.seqs = fresh[i * batch:(i + 1) * batch]
             return
