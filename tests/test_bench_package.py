@@ -113,7 +113,7 @@ def test_the_registry_is_the_one_list_of_groups():
     # every module of groups/ is registered, once, and the groups keep their slugs
     assert sorted(runner.GROUP_MODULES) == GROUP_FILES
     assert list(runner.GROUPS) == ["push", "extend", "pool", "threads", "decode", "attention",
-                                   "sharing", "memory", "hf", "precision", "store"]
+                                   "sharing", "memory", "hf", "precision", "capacity", "store"]
     assert ferrox_kv.bench.GROUPS is runner.GROUPS
 
 
@@ -399,8 +399,8 @@ def test_plot_without_matplotlib_refuses_before_any_group_runs(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize("width,goals", [(8, {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7}),
-                                         (16, {"float16": 0.6, "bfloat16": 0.6, "int8": 0.45})])
+@pytest.mark.parametrize("width,goals", [(8, {"float16": 0.8, "bfloat16": 0.8, "int8": 0.7, "int4": 1.0}),
+                                         (16, {"float16": 0.6, "bfloat16": 0.6, "int8": 0.45, "int4": 1.0})])
 def test_the_precision_attend_goals_follow_the_width_the_rows_ran_at(width, goals):
     from ferrox_kv.bench.groups.precision import targets
     res = Results()

@@ -32,14 +32,15 @@ def test_signatures_are_introspectable_and_help_shows_them():
     import inspect
     import pydoc
     from ferrox_kv import KvBlockPool, KvCache
-    assert str(inspect.signature(KvCache)) == "(n_kv_heads, head_dim, *, v_head_dim=None, dtype='float32')"
+    sig = "(n_kv_heads, head_dim, *, v_head_dim=None, dtype='float32', rotate=None, window=None)"
+    assert str(inspect.signature(KvCache)) == sig
     assert str(inspect.signature(KvBlockPool)) == (
         "(block_size, total_blocks, n_kv_heads, head_dim, *, v_head_dim=None, "
-        "prefix_cache=False, dtype='float32')")
+        "prefix_cache=False, dtype='float32', rotate=None)")
     assert "(n_kv_heads, head_dim, pool, max_seq_len, *, v_head_dim=None, tokens=None, " \
-           "salt=None, dtype=None)" in str(inspect.signature(KvCache.with_pool))
+           "salt=None, dtype=None, window=None, max_chunk=None)" in str(inspect.signature(KvCache.with_pool))
     text = pydoc.render_doc(KvCache, renderer=pydoc.plaintext)
-    assert "KvCache(n_kv_heads, head_dim, *, v_head_dim=None, dtype='float32')" in text
+    assert "KvCache" + sig.replace("'", '"') in text or "KvCache" + sig in text
 
 
 def test_importing_the_hf_module_without_torch_names_the_install_command():

@@ -23,7 +23,7 @@ from ferrox_kv.bench.targets import evaluate
 # The registry: one module of ferrox_kv.bench.groups per group, in run order.
 # A new group is a new module there and its name here.
 GROUP_MODULES = ["push", "extend", "pool", "threads", "decode", "attention", "sharing", "memory",
-                 "hf", "precision", "store"]
+                 "hf", "precision", "capacity", "store"]
 
 GROUPS = {g.slug: g for g in (importlib.import_module(f"ferrox_kv.bench.groups.{m}").GROUP
                               for m in GROUP_MODULES)}
