@@ -148,10 +148,10 @@ DTYPE_OF_CODE = DTYPES + ("int4",)
 
 cdef int _dtype_code(object dtype, str name) except -1:
     """The FX_* code of a dtype given as a name ("float32", "float16",
-    "bfloat16", "int8", "int4": rotated, FX_I4H, see _storage_code), a numpy dtype or scalar type (np.float32,
-    np.float16, np.int8), or a torch dtype (torch.bfloat16, matched by name:
-    the core does not import torch). Unknown: ValueError; not a dtype at
-    all: TypeError."""
+    "bfloat16", "int8", "int4": rotated, FX_I4H, see _storage_code), a numpy
+    dtype or scalar type (np.float32, np.float16, np.int8), or a torch dtype
+    (torch.bfloat16, matched by name: the core does not import torch).
+    Unknown: ValueError; not a dtype at all: TypeError."""
     if isinstance(dtype, str):
         key = dtype
     else:

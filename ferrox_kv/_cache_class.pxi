@@ -270,8 +270,8 @@ K and V rows of one sequence in one layer.
         cdef Py_ssize_t n = self.c.len - self.c.base
         cdef void* data
         cdef cnp.ndarray arr
-        cdef bint values = (self.c.dtype == FX_BF16 or self.c.dtype == FX_I8 or self.c.dtype == FX_I4
-                            or self.c.dtype == FX_I4H)
+        cdef bint values = (self.c.dtype == FX_BF16 or self.c.dtype == FX_I8
+                            or self.c.dtype == FX_I4 or self.c.dtype == FX_I4H)
         cdef int typ = cnp.NPY_FLOAT16 if self.c.dtype == FX_F16 else cnp.NPY_FLOAT32
         if self.c.state == STATE_NEW:
             raise ValueError(_NEW)

@@ -38,10 +38,10 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     rotated by an orthonormal Hadamard transform before quantising (attend
     rotates queries and outputs to match, ``.k``/``.v`` read back un-rotated),
     which spreads outlier channels over the group; ``False`` stores them as
-    given. ``rotate=True`` with another dtype is a ``ValueError``. The pool owns one K arena and one V arena of
-    ``total_blocks`` blocks, allocated so that untouched blocks cost no
-    physical memory. Block ids and their reference counts move under one
-    native mutex, held only while ids move. ``free_blocks`` is the
+    given. ``rotate=True`` with another dtype is a ``ValueError``. The pool
+    owns one K arena and one V arena of ``total_blocks`` blocks, allocated
+    so that untouched blocks cost no physical memory. Block ids and their
+    reference counts move under one native mutex, held only while ids move. ``free_blocks`` is the
     admission-control signal.
 
     All methods are safe to call from many threads at once.
