@@ -201,6 +201,39 @@ def test_the_pool_stores_kv_dtype_and_kv_gib_counts_its_bytes(tmp_path, dtype, k
                                 "int8": 2 * 16 * (16 + 2)}[want]
 
 
+def test_kv_dtype_int4_stores_rotated_int4_rows_of_a_head_dim_of_32_and_serves(tmp_path):
+    import argparse
+    import threading
+
+    from ferrox_kv.serve.cli import add_arguments, load
+    from ferrox_kv.serve.engine import Engine, Request, Sampling
+
+    d = S.make_model_dir(tmp_path / "m", hidden=64, heads=2, kv_heads=1)
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    model, _, pool = load(ap.parse_args([str(d), "--kv-gib", "0.001", "--kv-dtype", "int4"]))
+    assert pool.dtype == "int4" and pool.rotate
+    assert pool.block_bytes == 2 * 16 * (16 + 2)       # K and V: 16 bytes and a scale per row
+    assert pool.total_blocks == int(0.001 * (1 << 30) // pool.block_bytes)
+    model, tok, pool = load(ap.parse_args([str(d), "--kv-gib", "0.0001", "--kv-dtype", "int4"]))
+    engine = Engine(model, tok, pool)
+    got, done = [], threading.Event()
+
+    def emit(kind, payload):
+        got.append(kind)
+        if kind in ("done", "error"):
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Request(list(range(3, 12)), 6, Sampling(0), emit=emit))
+        assert done.wait(60), got
+    finally:
+        engine.close()
+    assert got.count("token") >= 1 and got[-1] == "done", got
+    pool.check()
+
+
 def test_an_int8_pool_serves_a_request_to_its_end(parts):
     import threading
 

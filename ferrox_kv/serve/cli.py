@@ -32,7 +32,7 @@ up to --shutdown-timeout seconds; a second signal exits at once.
     ferrox-kv serve ./tiny-llama --make-tiny     # a tiny random model, offline"""
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -50,7 +50,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "as vLLM and transformers' dtype='auto' load it")
     ap.add_argument("--kv-dtype", choices=("auto",) + KV_DTYPES, default="auto",
                     help="how the pool stores K/V; auto: the dtype the model runs in (int8: "
-                         "q8_0, 3.76x float32's sequences in the same memory)")
+                         "q8_0, 3.76x float32's sequences in the same memory; int4: q4_0 with a "
+                         "Hadamard rotation, 7.1x; its head dim must be a multiple of 32)")
     ap.add_argument("--mode", choices=("batch", "threads"), default="batch",
                     help="batch: continuous batching, one forward per step over every running "
                          "sequence; threads: one thread per request, batch 1 (the baseline)")
