@@ -143,7 +143,7 @@ cdef inline cnp.ndarray _f32(object x, str name):
 DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")   # the names dtype= takes
 # The name of each FX_* code: FX_I4 (int4, values as given) and FX_I4H
 # (int4 of Hadamard-rotated values) are both "int4"; rotate= tells them apart.
-DTYPE_OF_CODE = DTYPES + ("int4",)
+_DTYPE_OF_CODE = DTYPES + ("int4",)
 
 
 cdef int _dtype_code(object dtype, str name) except -1:
@@ -182,13 +182,13 @@ cdef int _dtype_code(object dtype, str name) except -1:
 def _dtype_name(dtype, name="dtype"):
     """The storage dtype name of ``dtype`` as the pools and caches read it
     (for integrations that take a ``dtype=`` of their own)."""
-    return DTYPE_OF_CODE[_dtype_code(dtype, name)]
+    return _DTYPE_OF_CODE[_dtype_code(dtype, name)]
 
 
 def _dtype_label(int code):
     """A dtype code's name for messages: int4 says whether it rotates."""
     return ("int4 (rotate=False)" if code == FX_I4 else "int4 (rotate=True)" if code == FX_I4H
-            else DTYPE_OF_CODE[code])
+            else _DTYPE_OF_CODE[code])
 
 
 cdef int _storage_code(object dtype, object rotate, Py_ssize_t head_dim,
@@ -209,7 +209,7 @@ cdef int _storage_code(object dtype, object rotate, Py_ssize_t head_dim,
                              f"each), got head_dim={head_dim}, v_head_dim={v_head_dim}")
     elif rotate:
         raise ValueError(f"rotate=True applies to dtype='int4' only (its rows are stored "
-                         f"Hadamard-rotated); dtype={DTYPE_OF_CODE[code]!r} stores rows as given")
+                         f"Hadamard-rotated); dtype={_DTYPE_OF_CODE[code]!r} stores rows as given")
     return code
 
 

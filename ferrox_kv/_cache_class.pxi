@@ -221,7 +221,7 @@ K and V rows of one sequence in one layer.
     def dtype(self):
         """The storage dtype, as a name: ``"float32"``, ``"float16"``,
         ``"bfloat16"``, ``"int8"`` or ``"int4"`` (what ``dtype=`` takes back)."""
-        return DTYPE_OF_CODE[self.c.dtype]
+        return _DTYPE_OF_CODE[self.c.dtype]
 
     @property
     def rotate(self):

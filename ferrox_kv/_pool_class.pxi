@@ -137,7 +137,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
     def dtype(self):
         """The storage dtype, as a name: ``"float32"``, ``"float16"``,
         ``"bfloat16"``, ``"int8"`` or ``"int4"``."""
-        return DTYPE_OF_CODE[self.p.dtype]
+        return _DTYPE_OF_CODE[self.p.dtype]
 
     @property
     def rotate(self):
