@@ -201,21 +201,13 @@ def test_the_pool_stores_kv_dtype_and_kv_gib_counts_its_bytes(tmp_path, dtype, k
                                 "int8": 2 * 16 * (16 + 2)}[want]
 
 
-def test_kv_dtype_int4_stores_rotated_int4_rows_of_a_head_dim_of_32_and_serves(tmp_path):
-    import argparse
+def _serve_one(model, tok, pool):
+    """One greedy request through an Engine on ``pool``, to its end: the
+    kinds of event it emitted."""
     import threading
 
-    from ferrox_kv.serve.cli import add_arguments, load
     from ferrox_kv.serve.engine import Engine, Request, Sampling
 
-    d = S.make_model_dir(tmp_path / "m", hidden=64, heads=2, kv_heads=1)
-    ap = argparse.ArgumentParser()
-    add_arguments(ap)
-    model, _, pool = load(ap.parse_args([str(d), "--kv-gib", "0.001", "--kv-dtype", "int4"]))
-    assert pool.dtype == "int4" and pool.rotate
-    assert pool.block_bytes == 2 * 16 * (16 + 2)       # K and V: 16 bytes and a scale per row
-    assert pool.total_blocks == int(0.001 * (1 << 30) // pool.block_bytes)
-    model, tok, pool = load(ap.parse_args([str(d), "--kv-gib", "0.0001", "--kv-dtype", "int4"]))
     engine = Engine(model, tok, pool)
     got, done = [], threading.Event()
 
@@ -230,31 +222,30 @@ def test_kv_dtype_int4_stores_rotated_int4_rows_of_a_head_dim_of_32_and_serves(t
         assert done.wait(60), got
     finally:
         engine.close()
+    return got
+
+
+def test_kv_dtype_int4_stores_rotated_int4_rows_of_a_head_dim_of_32_and_serves(tmp_path):
+    import argparse
+
+    from ferrox_kv.serve.cli import add_arguments, load
+
+    d = S.make_model_dir(tmp_path / "m", hidden=64, heads=2, kv_heads=1)
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    model, tok, pool = load(ap.parse_args([str(d), "--kv-gib", "0.001", "--kv-dtype", "int4"]))
+    assert pool.dtype == "int4" and pool.rotate
+    assert pool.block_bytes == 2 * 16 * (16 + 2)       # K and V: 16 bytes and a scale per row
+    assert pool.total_blocks == int(0.001 * (1 << 30) // pool.block_bytes)
+    got = _serve_one(model, tok, pool)
     assert got.count("token") >= 1 and got[-1] == "done", got
     pool.check()
 
 
 def test_an_int8_pool_serves_a_request_to_its_end(parts):
-    import threading
-
-    from ferrox_kv.serve.engine import Engine, Request, Sampling
-
     model, tok = parts
     pool = KvBlockPool(16, 32, 1, 16, prefix_cache=True, dtype="int8")
-    engine = Engine(model, tok, pool)
-    got, done = [], threading.Event()
-
-    def emit(kind, payload):
-        got.append(kind)
-        if kind in ("done", "error"):
-            done.set()
-
-    engine.start()
-    try:
-        engine.submit(Request(list(range(3, 12)), 6, Sampling(0), emit=emit))
-        assert done.wait(60), got
-    finally:
-        engine.close()
+    got = _serve_one(model, tok, pool)
     assert got.count("token") >= 1 and got[-1] == "done", got
     assert pool.used_blocks == pool.cached_blocks     # the finished request's blocks: cached
     pool.check()
