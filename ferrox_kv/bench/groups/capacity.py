@@ -56,7 +56,7 @@ def window_rows(res):
             whole_bytes=whole, positions=POSITIONS)
 
 
-def _score_error(q, K, ex, cache):
+def _score_error(q, ex, cache):
     s = np.einsum("hgd,thd->hgt", q, cache.k.astype(np.float64))
     return float(np.sqrt(((s - ex) ** 2).mean() / (ex ** 2).mean()))
 
@@ -80,7 +80,7 @@ def outlier_rows(res, seeds=3):
                              ("int4", {"dtype": "int4", "rotate": False})):
                 c = KvCache(KVH, D, **kw)
                 c.extend(K, K)
-                err[name].append(_score_error(q, K, ex, c))
+                err[name].append(_score_error(q, ex, c))
         m = {k: float(np.mean(v)) for k, v in err.items()}
         case = f"{n}x{factor}.{how}"
         res.add("capacity", "llama8b", f"capacity.outlier.{case}",
