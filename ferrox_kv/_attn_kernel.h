@@ -765,6 +765,9 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
         }                                                                                              \
     }
 
+/* How a build without dispatch reads float16: by F16C where it targets it. */
+#define FXA_BASE_F16 (FXA_HAVE_F16C ? FXA_F16C : FX_F16)
+
 /* The levels' entry points, same contract as fx_attend. */
 typedef void fxa_entry_fn(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
 FX_API fxa_entry_fn fxa_attend_base;      /* _attn_base.c: always */
@@ -774,7 +777,7 @@ FX_API fxa_entry_fn fxa_attend_v3;        /* _attn_v3.c */
 FX_API fxa_entry_fn fxa_attend_v4;        /* _attn_v4.c */
 #endif
 #elif FXA_HAVE_W16
-FX_API fxa_entry_fn fxa_attend_base16;    /* _attn_base.c, a build for AVX-512 */
+FX_API fxa_entry_fn fxa_attend_base16;    /* _attn_v4.c, a build for AVX-512 */
 #endif
 
 #endif /* FX_ATTN_KERNEL_H */
