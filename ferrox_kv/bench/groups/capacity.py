@@ -10,6 +10,14 @@ Rows (slug: what, ratio of):
                                ``.k``) against float64, of int4 without the rotation;
                                int8's beside. Cases: channels per head x factor,
                                scaled (a channel's values times it) or offset (plus it)
+  capacity.logits.<dt>         (with transformers) the hf group's model (2 layers, 8 KV
+                               heads x 128) with its q/k projections scaled by
+                               LOGIT_QK_SCALE (attention scores of a trained model's spread,
+                               where random weights give near-uniform attention), decoded
+                               teacher-forced over 256 tokens (64 with --quick) through
+                               FerroxCache and the
+                               ferrox attention: largest logit error against a float32
+                               cache, of bfloat16's
 """
 import numpy as np
 
@@ -89,10 +97,65 @@ def outlier_rows(res, seeds=3):
                 better="lower", int4_err=m["int4"], int8_err=m["int8"], case=case)
 
 
+LOGIT_TOKENS, LOGIT_PROMPT, LOGIT_QK_SCALE = 256, 16, 3.0
+
+
+def _teacher_forced(model, ids, cache):
+    """float32 logits of every step: ids' first LOGIT_PROMPT tokens as one
+    prefill, then the rest one token at a time through ``cache``."""
+    import torch
+    out = []
+    with torch.no_grad():
+        r = model(ids[:, :LOGIT_PROMPT], cache=cache, use_cache=True)
+        out.append(r.logits[0, -1].float())
+        for t in range(LOGIT_PROMPT, ids.shape[1]):
+            r = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            out.append(r.logits[0, -1].float())
+    return torch.stack(out)
+
+
+def logit_rows(res, tokens=LOGIT_TOKENS):
+    """Each storage dtype's largest logit error, teacher-forced over
+    ``tokens`` tokens, against a float32 cache on the same model."""
+    import torch
+
+    from ferrox_kv.bench.llama import make_model
+    from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
+
+    cfg, model = make_model(tokens)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(LOGIT_QK_SCALE)
+            layer.self_attn.k_proj.weight.mul_(LOGIT_QK_SCALE)
+    model.set_attn_implementation(ATTENTION)
+    layers, h, d = kv_geometry(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(26))
+    blocks = layers * (-(-tokens // BLOCK_SIZE))
+    logits = {}
+    for dt, kw in (("float32", {}), ("bfloat16", {}), ("int8", {}), ("int4", {"rotate": True}),
+                   ("int4 unrotated", {"rotate": False})):
+        pool = KvBlockPool(BLOCK_SIZE, blocks, h, d, dtype=dt.split()[0], **kw)
+        cache = FerroxCache(cfg, pool=pool, max_seq_len=tokens)
+        logits[dt] = _teacher_forced(model, ids, cache)
+        cache.close()
+        pool.check()
+    spread = float(logits["float32"].std())
+    err = {dt: float((x - logits["float32"]).abs().max()) for dt, x in logits.items() if dt != "float32"}
+    log(f"capacity logits, largest error vs float32 over {tokens} tokens: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in err.items()) + f" (logits' std {spread:.3f})")
+    for dt, e in err.items():
+        res.add("capacity", f"llama-{layers}L", f"capacity.logits.{dt.replace(' ', '_')}",
+                f"largest logit error vs a float32 cache, {dt}, teacher-forced over {tokens}",
+                e, "abs err", e / max(err["bfloat16"], 1e-12), "bfloat16's", better="lower",
+                dtype=dt, logit_std=spread, tokens=tokens, qk_scale=LOGIT_QK_SCALE)
+
+
 def run(r):
     log("capacity: bytes held with sliding windows, int4 score error with outliers")
     window_rows(r.res)
     outlier_rows(r.res, seeds=1 if r.quick else 3)
+    if r.hf_ok:
+        logit_rows(r.res, 64 if r.quick else LOGIT_TOKENS)
 
 
 def targets(res):
@@ -105,4 +168,5 @@ def targets(res):
     return out
 
 
-GROUP = Group("capacity", "more sequences per GiB: sliding windows and int4", run, targets)
+GROUP = Group("capacity", "more sequences per GiB: sliding windows and int4", run, targets,
+              hf_rows="the logit rows of the capacity group")
