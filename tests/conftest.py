@@ -29,6 +29,14 @@ def pytest_configure(config):
             raise RuntimeError(f"tests imported ferrox_kv from the source tree ({src})")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked ``long`` (tens of seconds each) run first, so that xdist
+    hands them out while the short ones still fill the other workers,
+    instead of one of them running alone at the end. (Their modules'
+    fixtures are then made twice on a worker: seconds, against minutes.)"""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture
 def make_rows():
     return rows

@@ -718,6 +718,7 @@ def test_the_ferrox_attention_uses_at_most_torchs_thread_count(torch_threads):
         _core._set_attend_split(*old[2])
 
 
+@pytest.mark.long
 def test_torch_compile_fullgraph_is_refused_with_a_clear_error_and_without_it_runs_eagerly(
         ferrox_llama):
     """FerroxCache is no torch custom op: fullgraph tracing stops at the

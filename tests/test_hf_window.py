@@ -117,6 +117,7 @@ def test_assisted_decoding_rolls_back_within_the_window(family):
         assert torch.equal(ref, _gen(m, ids, FerroxCache(m.config), impl, **kw))
 
 
+@pytest.mark.long
 def test_windowed_layers_hold_a_fraction_of_the_bytes_measured(family):
     """8 + 120 positions with a window of 8: the pool's used blocks, measured,
     against the same cache with the sliding layers stored whole."""

@@ -460,6 +460,7 @@ def test_soak_random_lengths_and_disconnects_loses_no_block(server):
 
 # -- shutdown, threads mode -------------------------------------------------------------
 
+@pytest.mark.long
 def test_threads_mode_equals_generate_and_sigterm_drains(model_dir, workdir, ref):
     """--mode threads gives the same greedy text; SIGTERM lets a running
     stream finish while a new request gets 503 + Retry-After; the process

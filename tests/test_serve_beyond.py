@@ -110,6 +110,7 @@ def test_kv_dtype_still_chooses_the_storage_and_dtype_the_weights(tmp_path, mode
 
 # -- --prefix-file --------------------------------------------------------------
 
+@pytest.mark.long
 def test_prefixes_survive_a_restart_and_a_damaged_file_starts_empty(tmp_path, model_dir):
     path = tmp_path / "prefixes.fxkv"
     srv = S.Server(model_dir, str(tmp_path), "--prefix-file", path)
@@ -293,6 +294,7 @@ def test_a_request_waiting_for_its_read_through_waits_alone(model_dir):
     pool.check()
 
 
+@pytest.mark.long
 def test_the_load_test_of_replicas_and_restart_runs_end_to_end(tmp_path, model_dir):
     """benchmarks/serve_load.py --replicas 2 --redis --restart, small
     settings on the tiny model: every row and its table; no figure is

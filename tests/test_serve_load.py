@@ -67,6 +67,7 @@ PARTS = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("part", list(PARTS))
 def test_a_short_run_of_the_load_test(part, tmp_path):
     """Every row of the script on the tiny model, a few requests each,

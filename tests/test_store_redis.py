@@ -661,6 +661,7 @@ def test_the_two_servers_example_answers_help_and_a_bad_url_at_once():
     assert p.returncode == 2 and "not a Redis URL" in p.stderr, p
 
 
+@pytest.mark.long
 def test_the_threaded_example_run_twice_shares_its_system_prompt_through_redis(server):
     pytest.importorskip("transformers")
     import re
