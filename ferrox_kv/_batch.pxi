@@ -235,6 +235,7 @@ cdef int _make_room_each(tuple owners, Cache** cs, Py_ssize_t n, Py_ssize_t t) e
                         pool_of[i] = j
                 reqs[pool_of[i]].n_fresh += grow[i] + cows[i]
                 reqs[pool_of[i]].n_drop += trim[i]
+                reqs[pool_of[i]].window_drops = True     # its only drops: trims
                 n_fresh += grow[i] + cows[i]
         # 2. every pool's blocks at once
         if n_pools:

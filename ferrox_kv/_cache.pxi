@@ -244,7 +244,8 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
                       window=None, max_chunk=None):
     """``count`` pooled caches of one geometry (one sequence's layers), each
     reserving max(1, ceil(max_seq_len / block_size)) blocks, in one
-    acquisition; with a ``window``, at most what the window needs
+    acquisition; with a ``window`` (one for all, or one entry per cache:
+    _window_each), a windowed cache at most what its window needs
     (_window.pxi). With ``tokens``, the longest published prefix of them
     (whole blocks, at most len(tokens) - 1 positions, this salt and layer
     count) is shared instead of reserved anew, and the caches start holding
@@ -257,11 +258,20 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     cdef Py_ssize_t max_len = _count(max_seq_len, "max_seq_len", 0)
     _check_pool_geometry(proto, pool)
     cdef Pool* p = pool.p
-    cdef Py_ssize_t bs = p.block_size, per = _blocks_for(max_len, bs), i, m_max = 0, m = 0, nb
-    cdef Py_ssize_t win = _window_arg(window, max_chunk, tokens, bs)
-    if win:
-        per = min(per, _window_blocks(win, _count(max_chunk, "max_chunk", 1)
-                                      if max_chunk is not None else bs, bs))
+    cdef Py_ssize_t bs = p.block_size, full = max(_blocks_for(max_len, bs), 1), i, m_max = 0
+    cdef Py_ssize_t m = 0, nb, per, total = 0, at = 0, win = 0, mc
+    cdef list wins = _window_each(window, count, max_chunk, tokens)
+    if wins is None:
+        win = _window_arg(window, max_chunk, tokens, bs)
+        wins = [win] * count
+    elif count and all(w == wins[0] for w in wins):
+        win = wins[0]                  # one window for all: the uniform path below
+    mc = _count(max_chunk, "max_chunk", 1) if max_chunk is not None else bs
+    # per cache: its blocks; uniform (every cache the same window) keeps the
+    # prefix lookup's layout, one stride per cache
+    cdef list pers = [max(min(full, _window_blocks(w, mc, bs)), 1) if w else full for w in wins]
+    cdef bint uniform = all(w == win for w in wins)
+    per = pers[0] if count else full
     cdef int32_t salt_id = 0
     cdef list out = []
     cdef KvCache c
@@ -284,17 +294,18 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         tp = <const int32_t*>cnp.PyArray_DATA(toks)
     elif salt is not None:
         raise ValueError("salt= goes with tokens=")
-    if per < 1:
-        per = 1
     if count == 0:
         return out
-    if per > p.total or count > p.total // per:  # before sizing memory, before any store read
-        raise KvPoolExhausted(per * count, pool_refuse(p))
+    for i in range(count):             # before sizing memory, before any store read
+        total += <Py_ssize_t>pers[i]
+        if total > p.total:
+            total = sum(pers)
+            raise KvPoolExhausted(total, pool_refuse(p))
     # blocks missing here are read through the store only while the whole
     # reservation fits in the free blocks without counting any sharing: a
     # request refused (for good or for now) never fetched, imported or evicted
     store = pool._store                    # read once: another thread may detach it
-    if m_max and store is not None and pool_free_count(p) >= per * count:
+    if m_max and store is not None and pool_free_count(p) >= total:
         store.before_lookup(pool, toks[:min(m_max, p.total) * bs], salt, count)
     if m_max > p.total:
         m_max = p.total
@@ -302,35 +313,46 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     for i in range(count):                 # tables first: only MemoryError can fail
         c = KvCache.__new__(KvCache)
         c._copy_geometry(proto)
-        _reserve_table(&c.c, nb)
+        _reserve_table(&c.c, nb if uniform else <Py_ssize_t>pers[i])
         out.append(c)
     try:
-        ids = <int32_t*>malloc(<size_t>(nb * count) * sizeof(int32_t))
-        scratch = <int32_t*>malloc(<size_t>(m_max * (count + 1) + count * nb + 1) * sizeof(int32_t))
+        # uniform: cache i's ids at i * nb; else one run of ``total`` fresh
+        # blocks, cache after cache
+        ids = <int32_t*>malloc(<size_t>(nb * count if uniform else total) * sizeof(int32_t))
+        scratch = <int32_t*>malloc(<size_t>((m_max * (count + 1) + count * nb) if uniform
+                                            else total) * sizeof(int32_t) + sizeof(int32_t))
         keys = <uint64_t*>malloc(<size_t>(m_max + 1) * sizeof(uint64_t))
         if ids == NULL or scratch == NULL or keys == NULL:
             raise MemoryError()
         with nogil:
             if m_max:
                 prefix_keys(tp, m_max, bs, <int32_t>count, salt_id, keys)
-            rc = pool_reserve(p, keys if lookup else NULL, tp, m_max, <int32_t>count, salt_id,
-                              per, ids, nb, scratch, &m, &r)
+            if uniform:
+                rc = pool_reserve(p, keys if lookup else NULL, tp, m_max, <int32_t>count,
+                                  salt_id, per, ids, nb, scratch, &m, &r)
+            else:
+                rc = pool_reserve(p, NULL, NULL, 0, 1, 0, total, ids, total, scratch, &m, &r)
         if rc == FX_EXHAUSTED:
             raise KvPoolExhausted(r.needed, r.free_seen)
         if rc != 0:
             raise RuntimeError("ferrox_kv: the prefix index names a block it does not hold")
-        nb = max(per, m)
         for i in range(count):
             c = <KvCache>out[i]
-            memcpy(c.c.table, ids + i * max(per, m_max), <size_t>nb * sizeof(int32_t))
+            if uniform:
+                per = max(<Py_ssize_t>pers[i], m)
+                memcpy(c.c.table, ids + i * nb, <size_t>per * sizeof(int32_t))
+                c.c.len = m * bs
+                c.c.shared_upto = m
+            else:
+                per = pers[i]
+                memcpy(c.c.table, ids + at, <size_t>per * sizeof(int32_t))
+                at += per
             pool_incref(p)
             c.c.pool = p
-            c.c.n_blocks = nb
-            c.c.cap = nb * bs
-            c.c.len = m * bs
-            c.c.shared_upto = m
-            c.c.window = win
-            c.c.resv = nb if win else 0
+            c.c.n_blocks = per
+            c.c.cap = per * bs
+            c.c.window = <Py_ssize_t>wins[i]
+            c.c.resv = per if c.c.window else 0
             cc = &c.c
             pool_link(p, &cc, 1)
     finally:

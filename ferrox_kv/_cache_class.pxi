@@ -188,8 +188,19 @@ K and V rows of one sequence in one layer.
         ``KvPoolExhausted`` and the pool is untouched (one refusal counted).
         With ``tokens``, the caches are one sequence's ``count`` layers and
         reuse its longest published prefix, as ``with_pool`` does. With
-        ``window``, every cache has that sliding window and each reserves
+        ``window=W``, every cache has that sliding window and each reserves
         what the window needs, as ``with_pool`` says.
+
+        ``window`` may also be a sequence of ``count`` entries, one per cache
+        in order: an int (that cache's window) or None (no window), e.g.
+        ``layer_windows(config)`` for one sequence's layers. The acquisition
+        is still one: the sum of what each cache reserves, all or nothing.
+        ``max_chunk`` sizes every windowed entry's reservation. A sequence
+        of the wrong length is a ``ValueError``, an entry that is not an int
+        or None a ``TypeError``, an entry below 1 a ``ValueError``, and
+        ``tokens=`` goes only with a sequence whose entries are all None
+        (``ValueError`` naming the first windowed entry); nothing is
+        reserved then.
         """
         cdef Py_ssize_t n = _count(count, "count", 0)
         return _new_pooled(n, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,

@@ -192,6 +192,7 @@ ctypedef struct Pool:
     uint64_t acquired
     uint64_t released
     uint64_t refused
+    uint64_t window_freed     # of released: blocks a sliding window's drops freed
     Prefix* prefix            # NULL unless prefix_cache=True
     void* caches              # Cache*: every cache holding its blocks (for check())
     Pool* reg_prev            # registry of live pools, in address order
@@ -210,6 +211,7 @@ ctypedef struct BlockReq:
     int32_t* fresh
     Py_ssize_t n_fresh
     int owner
+    bint window_drops         # the drops are blocks that left a sliding window
     Py_ssize_t needed         # out, when refused: blocks it needed beyond what it gives back
     Py_ssize_t free_seen      # out, when refused: the pool's free blocks
 

@@ -152,7 +152,7 @@ class KvCache:
         tokens: npt.ArrayLike | None = None,
         salt: _Salt = None,
         dtype: _DType | None = None,
-        window: int | None = None,
+        window: int | Sequence[int | None] | None = None,
         max_chunk: int | None = None,
     ) -> list[KvCache]: ...
     @property

@@ -235,10 +235,13 @@ cdef void _req_apply(BlockReq* r) noexcept nogil:
     the prefix cache's LRU: a chain loses its tail before its head."""
     cdef Pool* p = r.pool
     cdef Py_ssize_t i
+    cdef uint64_t released = p.released
     for i in range(r.n_share):
         _hold(p, r.share[i])
     for i in range(r.n_drop - 1, -1, -1):
         _unhold(p, r.drop[i])
+    if r.window_drops:             # the blocks those drops took out of use
+        p.window_freed += p.released - released
     for i in range(r.n_fresh):
         r.fresh[i] = _take(p, r.owner)
     if p.n_used > p.high_water:

@@ -152,8 +152,11 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         (published, held by no one; part of ``free_blocks``), ``high_water``
         (most blocks used at once), ``acquired`` and ``released`` (blocks that
         came into use and went out of use), ``refused`` (requests refused for
-        lack of blocks), ``block_size``, ``block_bytes``, and for the prefix
-        cache ``prefix_hits`` and ``prefix_misses`` (lookups that reused at
+        lack of blocks), ``window_freed`` (of ``released``: blocks that went
+        out of use as sliding-window caches gave them back, having left the
+        window; a block still held elsewhere, e.g. by a fork, counts when its
+        last holder lets it go that way), ``block_size``, ``block_bytes``, and
+        for the prefix cache ``prefix_hits`` and ``prefix_misses`` (lookups that reused at
         least one block, or none: every reservation with ``tokens=`` is one
         lookup, one of the two; tokens shorter than a block are a miss),
         ``hit_tokens`` (positions reused) and ``evictions`` (cached blocks
@@ -162,7 +165,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         """
         cdef Pool* p = self.p
         cdef Py_ssize_t used, high, cached = 0
-        cdef uint64_t acq, rel, ref, hits = 0, misses = 0, toks = 0, ev = 0
+        cdef uint64_t acq, rel, ref, wf, hits = 0, misses = 0, toks = 0, ev = 0
         with nogil:
             pthread_mutex_lock(&p.lock)
             used = p.n_used
@@ -170,6 +173,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             acq = p.acquired
             rel = p.released
             ref = p.refused
+            wf = p.window_freed
             if p.prefix != NULL:
                 cached = p.prefix.n_cached
                 hits = p.prefix.hits
@@ -186,6 +190,7 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
             "acquired": acq,
             "released": rel,
             "refused": ref,
+            "window_freed": wf,
             "block_size": p.block_size,
             "block_bytes": self.block_bytes,
             "prefix_hits": hits,

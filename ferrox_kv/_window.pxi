@@ -45,6 +45,42 @@ cdef Py_ssize_t _window_arg(object window, object max_chunk, object tokens,
     return w
 
 
+cdef list _window_each(object window, Py_ssize_t count, object max_chunk, object tokens):
+    """The windows of with_pool_many's ``count`` caches (0: none), validated,
+    when ``window`` is a sequence of one entry (an int >= 1, or None) per
+    cache; None when ``window`` is None or one value (_window_arg reads
+    that). ``max_chunk`` may come with any such sequence; ``tokens`` only
+    with one whose entries are all None."""
+    if window is None or isinstance(window, (str, bytes)):
+        return None
+    try:
+        _operator_index(window)
+        return None
+    except TypeError:
+        pass
+    try:
+        entries = list(window)
+    except TypeError:
+        raise TypeError(f"window must be an integer, None, or a sequence of {count} of those "
+                        f"(one per cache), got {type(window).__name__}") from None
+    if len(entries) != count:
+        raise ValueError(f"window has {len(entries)} entries for {count} caches: a window "
+                         "sequence gives one window (or None) per cache")
+    cdef list out = []
+    for i, w in enumerate(entries):
+        out.append(0 if w is None else _count(w, f"window[{i}]", 1))
+    if max_chunk is not None:
+        _count(max_chunk, "max_chunk", 1)
+    if tokens is not None:
+        for i, w in enumerate(out):
+            if w:
+                raise ValueError(
+                    f"tokens= cannot be used with window[{i}]={w}: a sliding-window cache "
+                    "takes no part in the prefix cache (it gives back the blocks a hit would "
+                    "share); every entry must be None to reuse a prefix")
+    return out
+
+
 cdef inline Py_ssize_t _window_blocks(Py_ssize_t window, Py_ssize_t max_chunk,
                                       Py_ssize_t bs) noexcept nogil:
     """Blocks an append of up to ``max_chunk`` rows to a window-``window``

@@ -238,7 +238,7 @@ def test_pool_stats_count_everything():
     a.release_to_pool()
     s = pool.stats()
     assert s == {"total_blocks": 5, "free_blocks": 2, "used_blocks": 3, "high_water": 5,
-                 "acquired": 5, "released": 2, "refused": 1, "block_size": 2,
+                 "acquired": 5, "released": 2, "refused": 1, "window_freed": 0, "block_size": 2,
                  "block_bytes": 16, "cached_blocks": 0, "prefix_hits": 0,
                  "prefix_misses": 0, "hit_tokens": 0, "evictions": 0}
     del b

@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from ferrox_kv import KvBlockPool  # noqa: E402
+from ferrox_kv import KvBlockPool, KvPoolExhausted  # noqa: E402
 from ferrox_kv.hf import FerroxCache, kv_geometry, layer_windows  # noqa: E402
 from support.models import VOCAB  # noqa: E402
 from support.models import prompt as _prompt  # noqa: E402
@@ -136,3 +136,28 @@ def test_windowed_layers_hold_a_fraction_of_the_bytes_measured(family):
     # each sliding layer keeps ceil((8 + 4 - 1) / 4) + 1 = 4 blocks of the 32 a whole one holds
     assert held[True] == len(ws) * 32 * pool.block_bytes
     assert held[False] == (full * 32 + (len(ws) - full) * 4) * pool.block_bytes
+
+
+def test_layers_of_several_windows_are_reserved_in_one_acquisition(family):
+    """Full and sliding layers (and a batch of them) in one all-or-nothing
+    acquisition: a pool one block short refuses once and is left as it was;
+    one that fits gives each layer its own need."""
+    m, _ = family
+    _, h, d = kv_geometry(m.config)
+    ws = layer_windows(m.config)
+    need = sum(10 if w is None else -(-(w + 4 - 1) // 4) + 1 for w in ws)   # 40 positions
+    short = KvBlockPool(4, 2 * need - 1, h, d)
+    before = short.stats()
+    with pytest.raises(KvPoolExhausted) as e:
+        FerroxCache(m.config, pool=short, max_seq_len=40, batch_size=2)
+    assert e.value.requested == 2 * need
+    after = short.stats()
+    assert after.pop("refused") == before.pop("refused") + 1 and after == before
+    short.check()
+    pool = KvBlockPool(4, 2 * need, h, d)
+    cache = FerroxCache(m.config, pool=pool, max_seq_len=40, batch_size=2)
+    assert pool.free_blocks == 0 and pool.stats()["acquired"] == 2 * need
+    assert [[c.window for c in layer.seqs] for layer in cache.layers] == [[w, w] for w in ws]
+    cache.close()
+    assert pool.free_blocks == 2 * need
+    pool.check()

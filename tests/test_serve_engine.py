@@ -373,3 +373,22 @@ def test_close_refuses_the_requests_waiting_for_a_fetch_without_fetching_them(pa
         assert errors[0].reason == "shutting_down"
     assert e.pool.used_blocks == 0
     e.pool.check()
+
+
+def test_a_tenant_is_admitted_by_a_pool_without_a_prefix_cache(parts):
+    """The tenant is the prefix cache's salt: without a lookup it is not
+    passed on, so admission does not raise ("salt= goes with tokens=") in
+    the scheduler thread."""
+    from ferrox_kv.serve.engine import Engine, Request, Sampling
+
+    model, tok = parts
+    pool = KvBlockPool(16, 32, 1, 16)
+    e = Engine(model, tok, pool)
+    r = Request(list(range(3, 12)), 4, Sampling(0), tenant="tenant-a")
+    with e._cv:
+        e._queue.append(r)
+        e._admit()
+        assert e._running == [r] and r.caches is not None
+        e._retire(r, publish=True)
+    assert pool.used_blocks == 0
+    pool.check()

@@ -434,6 +434,91 @@ def test_a_windowed_reservation_that_does_not_fit_is_refused_whole():
     p.check()
 
 
+# -- one window per cache (with_pool_many(..., window=[...])) -----------------------------
+
+def test_a_window_per_cache_reserves_each_its_need_in_one_acquisition():
+    p = KvBlockPool(4, 40, H, D)
+    wins = [6, None, 6, 2, None]
+    need = [_ceil(6 + 4 - 1, 4) + 1, 25, _ceil(6 + 4 - 1, 4) + 1, _ceil(2 + 4 - 1, 4) + 1, 25]
+    with pytest.raises(KvPoolExhausted) as e:
+        KvCache.with_pool_many(5, H, D, p, 100, window=wins)
+    assert (e.value.requested, e.value.free) == (sum(need), 40)
+    assert p.free_blocks == 40 and p.stats()["refused"] == 1
+    cs = KvCache.with_pool_many(5, H, D, p, 100, window=[6, None, 6, 2, 3], max_chunk=2)
+    need = [_ceil(6 + 2 - 1, 4) + 1, 25, _ceil(6 + 2 - 1, 4) + 1, 2, 2]
+    assert [c.window for c in cs] == [6, None, 6, 2, 3]
+    assert [c.blocks_held for c in cs] == need and p.free_blocks == 40 - sum(need)
+    ids = [b for c in cs for b in c.block_table.tolist()]
+    assert len(set(ids)) == len(ids)
+    p.check()
+    # one sequence's layers, decoding: each windowed layer gives back what leaves its window
+    rng = np.random.default_rng(30)
+    for _ in range(50):
+        for c in cs:
+            c.push(*(x[0] for x in _rows(rng, 1)))
+    assert [c.blocks_held for c in cs] == need
+    assert p.stats()["window_freed"] == p.stats()["released"] > 0
+    p.check()
+    for c in cs:
+        c.close()
+    assert p.free_blocks == 40 and p.used_blocks == 0
+    p.check()
+
+
+def test_a_window_per_cache_of_one_value_is_the_single_window():
+    p = KvBlockPool(4, 40, H, D, prefix_cache=True)
+    a = KvCache.with_pool_many(3, H, D, p, 100, window=(5, 5, 5))
+    assert [c.window for c in a] == [5, 5, 5] and [c.blocks_held for c in a] == [3, 3, 3]
+    b = KvCache.with_pool_many(2, H, D, p, 8, window=np.array([None, None]),
+                               tokens=np.arange(9))      # all None: tokens= is honoured
+    assert [c.window for c in b] == [None, None] and p.stats()["prefix_misses"] == 1
+    assert KvCache.with_pool_many(0, H, D, p, 8, window=[]) == []
+    p.check()
+
+
+@pytest.mark.parametrize("window,kwargs,exc,match", [
+    ([4, None], {}, ValueError, "window has 2 entries for 3 caches"),
+    ([4, None, 4, 4], {}, ValueError, "window has 4 entries for 3 caches"),
+    ([4, "8", None], {}, TypeError, "window\\[1\\] must be an integer, got str"),
+    ([4, None, 2.5], {}, TypeError, "window\\[2\\] must be an integer, got float"),
+    ([4, 0, None], {}, ValueError, "window\\[1\\] must be >= 1, got 0"),
+    ([None, -2, None], {}, ValueError, "window\\[1\\] must be >= 1, got -2"),
+    ([4, None, 4], dict(max_chunk=0), ValueError, "max_chunk must be >= 1"),
+    ([None, 4, None], dict(tokens=[1, 2, 3]), ValueError,
+     "tokens= cannot be used with window\\[1\\]=4"),
+    (object(), {}, TypeError, "window must be an integer, None, or a sequence of 3"),
+])
+def test_a_bad_window_per_cache_raises_and_changes_nothing(window, kwargs, exc, match):
+    p = KvBlockPool(4, 64, H, D, prefix_cache=True)
+    keep = KvCache.with_pool(H, D, p, 10, window=3)
+    before = (p.stats(), keep.block_table.tolist(), keep.seq_len)
+    with pytest.raises(exc, match=match):
+        KvCache.with_pool_many(3, H, D, p, 100, window=window, **kwargs)
+    assert (p.stats(), keep.block_table.tolist(), keep.seq_len) == before
+    assert p.free_blocks == 64 - keep.blocks_held
+    p.check()
+
+
+def test_window_freed_counts_blocks_out_of_use_once_across_a_fork():
+    rng = np.random.default_rng(31)
+    p = KvBlockPool(4, 64, H, D)
+    c = KvCache.with_pool(H, D, p, 1000, window=5)
+    c.extend(*_rows(rng, 4))
+    child = c.fork()
+    for _ in range(12):                     # both move on: the shared block is freed once
+        for x in (c, child):
+            x.push(*(r[0] for r in _rows(rng, 1)))
+    s = p.stats()
+    assert s["window_freed"] == s["released"] and s["window_freed"] >= 1
+    shared_freed = s["window_freed"]
+    c.close()
+    child.close()
+    s = p.stats()
+    assert s["window_freed"] == shared_freed and s["released"] > shared_freed
+    assert p.free_blocks == 64
+    p.check()
+
+
 def test_an_append_the_pool_cannot_cover_changes_nothing():
     rng = np.random.default_rng(12)
     p = KvBlockPool(4, 8, H, D)

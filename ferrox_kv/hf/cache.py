@@ -533,31 +533,11 @@ class FerroxCache(Cache):
                     for layer in layers for _ in range(count)]
         h, d, pool = self.n_kv_heads, self.head_dim, self.pool
         tokens, self._tokens = self._tokens, None          # the first sequence only
-        windows = sorted({layer.sliding_window or 0 for layer in layers})
-        if len(windows) == 1:                              # one acquisition
-            w = windows[0] or None
-            return KvCache.with_pool_many(count * len(layers), h, d, pool, self.max_seq_len,
-                                          tokens=tokens, window=w,
-                                          salt=self.salt if tokens is not None else None)
-        # several windows: one acquisition each, after checking they all fit
-        bs = pool.block_size
-        per = max(1, -(-self.max_seq_len // bs))
-        need = sum(count * (min(per, -(-(w + bs - 1) // bs) + 1) if w else per)
-                   for w in (layer.sliding_window for layer in layers))
-        if need > pool.free_blocks:
-            raise KvPoolExhausted(need, pool.free_blocks)
-        made = {}
-        try:
-            for w in windows:
-                n = count * sum((layer.sliding_window or 0) == w for layer in layers)
-                made[w] = KvCache.with_pool_many(n, h, d, pool, self.max_seq_len,
-                                                 window=w or None)
-        except BaseException:
-            for caches in made.values():
-                for c in caches:
-                    c.close()
-            raise
-        return [made[layer.sliding_window or 0].pop(0) for layer in layers for _ in range(count)]
+        windows = [layer.sliding_window for layer in layers for _ in range(count)]
+        # one acquisition for every layer, whatever its window: all or none
+        return KvCache.with_pool_many(count * len(layers), h, d, pool, self.max_seq_len,
+                                      tokens=tokens, window=windows,
+                                      salt=self.salt if tokens is not None else None)
 
     def _contiguous(self, window, dtype):
         if window is not None:

@@ -70,6 +70,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "in batch mode, each request's own in threads mode (256)")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="turn the pool's prefix cache off")
+    ap.add_argument("--no-sliding-windows", action="store_true",
+                    help="store sliding-window layers (Gemma 2/3, gpt-oss, Mistral, Qwen2 with "
+                         "use_sliding_window) whole. By default each keeps only its window: a "
+                         "request reserves ceil((window + --prefill-chunk - 1) / --block-size) "
+                         "+ 1 blocks for such a layer, at most its whole length, so more "
+                         "requests fit; a model with such layers then reuses no prefix "
+                         "(--prefix-file and --redis need this option)")
     ap.add_argument("--default-max-tokens", type=int, default=256,
                     help="chat completions' max_tokens when a request sets none (256)")
     ap.add_argument("--max-body", type=int, default=1 << 20,
@@ -168,7 +175,12 @@ def prefixes(args, model, pool, metrics):
     asked for."""
     if args.prefix_file is None and args.redis is None:
         return None, None
-    from ferrox_kv.hf import fingerprint, kv_geometry
+    from ferrox_kv.hf import fingerprint, kv_geometry, layer_windows
+    if not args.no_sliding_windows and any(w is not None for w in layer_windows(model.config)):
+        raise SystemExit("ferrox-kv serve: --prefix-file and --redis reuse prefixes, which this "
+                         "model's sliding-window layers cannot (their windows give back the "
+                         "blocks a prefix hit would share); add --no-sliding-windows to store "
+                         "them whole")
     from ferrox_kv.serve.prefixes import PrefixFile, RedisPrefixes
     fp = (args.model_fingerprint.encode() if args.model_fingerprint is not None
           else fingerprint(model))
@@ -260,7 +272,8 @@ def run(args) -> int:
     engine = Engine(model, tokenizer, pool, mode=args.mode, max_batch=args.max_batch,
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                     prefill_chunk=args.prefill_chunk, threads_cache=args.threads_cache,
-                    metrics=metrics, fetch=None if redis is None else redis.fetch)
+                    metrics=metrics, fetch=None if redis is None else redis.fetch,
+                    sliding_windows=not args.no_sliding_windows)
     metrics.engine = engine
     name = os.path.basename(os.path.normpath(args.model_dir))
     asgi, _ = make_app(engine, metrics, model_name=name,
@@ -293,10 +306,12 @@ def run(args) -> int:
     engine.start()
     mode = args.mode + (f", {args.threads_cache} cache" if args.mode == "threads" else "")
     port = sock.getsockname()[1]
+    n_sliding = sum(w is not None for w in engine.windows)
+    sliding = f", {n_sliding} sliding layers keep their windows" if n_sliding else ""
     print(f"ferrox-kv serve: {name} on http://{args.host}:{port} ({mode} mode, "
           f"{model_dtype(model)} weights, {pool.dtype} KV, "
           f"{pool.total_blocks} blocks of {pool.block_size} positions, prefix cache "
-          f"{'on' if pool.prefix_cache else 'off'}"
+          f"{'on' if engine.reuse_prefixes else 'off'}{sliding}"
           f"{', Redis ' + args.redis if redis is not None else ''})", file=sys.stderr, flush=True)
     # shutdown: stop admitting and drain (handle_exit), then save the prefix
     # file, then check the pool; a second signal skips the save. Either way

@@ -2,9 +2,14 @@
 
 Admission is the pool. A request reserves ``prompt + max_tokens`` positions of
 every layer at once (``KvCache.with_pool_many``, all or nothing) when it
-leaves the FIFO queue; a reserved request can never fail mid-decode, so there
-is no preemption. A request that does not fit waits at the head of the queue
-(no one overtakes it) until blocks come back; past ``max_queue`` waiting
+leaves the FIFO queue; a sliding-window layer (``layer_windows(config)``:
+Gemma 2/3, gpt-oss, Mistral, Qwen2 with ``use_sliding_window``) reserves only
+what its window needs (``ceil((W + prefill_chunk - 1) / block_size) + 1``
+blocks, at most the whole length's), and gives back the blocks that leave its
+window as the request runs (``sliding_windows=False`` stores them whole). A
+reserved request can never fail mid-decode, so there is no preemption. A
+request that does not fit waits at the head of the queue (no one overtakes
+it) until blocks come back; past ``max_queue`` waiting
 requests, or ``queue_timeout`` seconds of waiting, it is refused with
 ``Overloaded`` (HTTP 503 + Retry-After). A request that could never fit (its
 reservation beyond the whole pool or the model's context) is refused at once
@@ -61,7 +66,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted
-from ferrox_kv.hf import ATTENTION, PackedCache, kv_geometry
+from ferrox_kv.hf import ATTENTION, PackedCache, kv_geometry, layer_windows
 from ferrox_kv.serve.protocol import NeverFits, Overloaded
 from ferrox_kv.serve.requests import Request, Sampling
 from ferrox_kv.serve.text import TextStream
@@ -114,10 +119,14 @@ class Engine:
 
     ``Engine(model, tokenizer, pool, *, mode="batch", max_batch=16,
     max_queue=64, queue_timeout=30.0, prefill_chunk=256,
-    threads_cache="ferrox", metrics=None, fetch=None, fetch_threads=4)``
+    threads_cache="ferrox", metrics=None, fetch=None, fetch_threads=4,
+    sliding_windows=True)``
     (``threads_cache``: ``"ferrox"`` or ``"dynamic"``, threads mode only;
     ``fetch(prompt_ids, salt)``: a read-through run before a request is
-    queued, in one of ``fetch_threads`` threads). ``start()``
+    queued, in one of ``fetch_threads`` threads; ``sliding_windows``: the
+    model's sliding layers keep only their windows, as ``FerroxCache``'s,
+    and then, as there, a model that has such layers takes no part in the
+    prefix cache: no hit, no publish; False stores them whole). ``start()``
     launches the scheduler thread; ``submit(request)`` queues a request (or
     raises ``Overloaded`` / ``NeverFits``); ``drain(deadline)`` stops
     admitting and waits for the running requests; ``close()`` cancels what is
@@ -126,7 +135,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, pool: KvBlockPool, *, mode="batch", max_batch=16,
                  max_queue=64, queue_timeout=30.0, prefill_chunk=256, threads_cache="ferrox",
-                 metrics=None, fetch=None, fetch_threads=4):
+                 metrics=None, fetch=None, fetch_threads=4, sliding_windows=True):
         check_options(mode=mode, max_batch=max_batch, max_queue=max_queue,
                       queue_timeout=queue_timeout, prefill_chunk=prefill_chunk,
                       threads_cache=threads_cache)
@@ -147,6 +156,15 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         self.metrics = metrics
         self.n_kv, self.head_dim = n_kv, head_dim
+        # each layer's window (None: full attention); a windowed layer's
+        # caches reserve what an append of up to prefill_chunk rows needs
+        self.windows = (layer_windows(model.config, self.n_layers) if sliding_windows
+                        else [None] * self.n_layers)
+        self.sliding = any(w is not None for w in self.windows)
+        # a sliding layer gives back the blocks a prefix hit would share
+        # (FerroxCache refuses tokens= then too): its model reuses no prefix
+        self.reuse_prefixes = (pool.prefix_cache and threads_cache == "ferrox"
+                               and not self.sliding)
         text = model.config.get_text_config(decoder=True)
         self.context = int(getattr(text, "max_position_embeddings", 0) or 0) or None
         eos = model.generation_config.eos_token_id
@@ -171,14 +189,42 @@ class Engine:
 
     # -- sizes --------------------------------------------------------------
 
+    def _window_blocks(self, window: int) -> int:
+        """The blocks a window-``window`` layer reserves for a long request
+        (``KvCache.with_pool``'s rule, appends of up to ``prefill_chunk``)."""
+        return -(-(window + self.prefill_chunk - 1) // self.pool.block_size) + 1
+
+    def _blocks_at(self, per_layer: int) -> int:
+        """The blocks of a reservation of ``per_layer`` blocks per full layer."""
+        return sum(per_layer if w is None else min(per_layer, self._window_blocks(w))
+                   for w in self.windows)
+
     def blocks_for(self, positions: int) -> int:
-        """Blocks a reservation of ``positions`` takes: every layer's."""
-        return self.n_layers * -(-positions // self.pool.block_size)
+        """Blocks a reservation of ``positions`` takes, summed over the
+        layers: a full layer's ``ceil(positions / block_size)`` (at least
+        1), a sliding layer's at most what its window needs."""
+        return self._blocks_at(max(1, -(-positions // self.pool.block_size)))
 
     @property
     def max_positions(self) -> int:
-        """The longest reservation this pool and model can ever grant."""
-        by_pool = (self.pool.total_blocks // self.n_layers) * self.pool.block_size
+        """The longest reservation this pool and model can ever grant (a
+        model whose every layer is sliding: the context, or 2**31 without
+        one, once the windows fit the pool)."""
+        total, bs = self.pool.total_blocks, self.pool.block_size
+        if all(w is not None for w in self.windows):
+            top = max(self._window_blocks(w) for w in self.windows)
+            if self._blocks_at(top) <= total:
+                return self.context or 1 << 31
+        else:
+            top = total
+        lo, hi = 0, top                  # the most blocks per full layer that fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._blocks_at(mid) <= total:
+                lo = mid
+            else:
+                hi = mid - 1
+        by_pool = lo * bs
         return min(by_pool, self.context) if self.context else by_pool
 
     def stats(self):
@@ -196,7 +242,11 @@ class Engine:
             return {"status": "draining" if self._draining else "ok",
                     "running": len(self._running), "waiting": len(self._queue) + self._fetching,
                     "free_blocks": s["free_blocks"], "used_blocks": s["used_blocks"],
-                    "cached_blocks": s["cached_blocks"], "total_blocks": s["total_blocks"]}
+                    "cached_blocks": s["cached_blocks"], "total_blocks": s["total_blocks"],
+                    "reserved_blocks": sum(self.blocks_for(r.reserve) for r in self._running),
+                    "head_needs_blocks": (self.blocks_for(self._queue[0].reserve)
+                                          if self._queue else 0),
+                    "window_freed_blocks": s["window_freed"]}
 
     # -- the client side -------------------------------------------------------
 
@@ -210,12 +260,15 @@ class Engine:
                 f"exceeds the model's context of {self.context} tokens; shorten the prompt or "
                 "lower max_tokens", "max_tokens" if n < self.context else "prompt")
         if request.reserve > self.max_positions:
+            sliding = sum(w is not None for w in self.windows)
+            layers = (f" over {self.n_layers} layers ({sliding} sliding, reserving at most "
+                      "their windows)" if sliding else f" over {self.n_layers} layers")
             raise NeverFits(
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {request.reserve} "
-                f"positions need {self.blocks_for(request.reserve)} blocks; the whole pool "
-                f"holds {self.pool.total_blocks} ({self.max_positions} positions per request "
-                "at most); lower max_tokens or start the server with a larger --kv-blocks",
-                "max_tokens")
+                f"positions need {self.blocks_for(request.reserve)} blocks{layers}; the whole "
+                f"pool holds {self.pool.total_blocks} ({self.max_positions} positions per "
+                "request at most); lower max_tokens or start the server with a larger "
+                "--kv-blocks", "max_tokens")
 
     def submit(self, request: Request):
         """Queue ``request`` (FIFO). Raises ``NeverFits`` or ``Overloaded``
@@ -244,7 +297,7 @@ class Engine:
         its read-through: the queue refuses it without a Redis round trip."""
         try:
             skip = request.cancelled or self._draining or self._stopping
-            if not skip and self.pool.prefix_cache:
+            if not skip and self.reuse_prefixes:
                 self._fetch(request.prompt_ids, request.tenant)
         except Exception:                # noqa: BLE001  (a miss; the store counts it)
             pass
@@ -383,12 +436,14 @@ class Engine:
             if len(self._running) >= self.max_batch:
                 return
             r = self._queue[0]
-            reuse = self.pool.prefix_cache and self.threads_cache == "ferrox"
+            reuse = self.reuse_prefixes
             try:
                 r.caches = KvCache.with_pool_many(
                     self.n_layers, self.n_kv, self.head_dim, self.pool, r.reserve,
                     tokens=np.asarray(r.prompt_ids, dtype=np.int64) if reuse else None,
-                    salt=r.tenant)
+                    salt=r.tenant if reuse else None,
+                    window=self.windows if self.sliding else None,
+                    max_chunk=self.prefill_chunk if self.sliding else None)
             except KvPoolExhausted:
                 return                          # the head waits; nobody overtakes it
             self._queue.popleft()
@@ -396,7 +451,7 @@ class Engine:
             r.admitted_at = time.monotonic()
             self._running.append(r)
             if self.metrics is not None:
-                self.metrics.admitted(r)
+                self.metrics.admitted(r, looked_up=reuse)
             if self.mode == "threads":
                 t = threading.Thread(target=self._thread_main, args=(r,), daemon=True,
                                      name="ferrox-serve-request")
@@ -515,7 +570,7 @@ class Engine:
         if r in self._running:
             self._running.remove(r)
         if r.caches is not None:
-            if publish and self.pool.prefix_cache and self.threads_cache == "ferrox":
+            if publish and self.reuse_prefixes:
                 have = r.caches[0].seq_len
                 ids = (r.prompt_ids + r.output_ids)[:have]
                 try:

@@ -10,6 +10,8 @@ name                                       type       meaning
 ferrox:kv_cache_usage_perc                 gauge      used blocks / total blocks (0..1)
 ferrox:kv_blocks_free / _used / _cached    gauge      the pool's blocks (cached: published, held
                                                       by no one, part of free)
+ferrox:kv_blocks_window_freed_total        counter    blocks sliding-window layers gave back as
+                                                      they left the window (the pool's count)
 ferrox:prefix_cache_queries_total          counter    prompt tokens looked up in the prefix cache
 ferrox:prefix_cache_hits_total             counter    of those, tokens reused (the pool's count)
 ferrox:num_requests_running / _waiting     gauge      admitted (holding a reservation) / queued
@@ -70,6 +72,9 @@ class _PoolCollector:
         yield GaugeMetricFamily("ferrox:kv_blocks_cached",
                                 "Published prefix blocks held by no request",
                                 value=s["cached_blocks"])
+        yield CounterMetricFamily("ferrox:kv_blocks_window_freed", "Blocks that sliding-window "
+                                  "layers gave back as they left the window",
+                                  value=s.get("window_freed", 0))
         yield CounterMetricFamily("ferrox:prefix_cache_hits", "Prompt tokens reused from the "
                                   "prefix cache", value=s.get("hit_tokens", 0))
         yield CounterMetricFamily("ferrox:prefix_cache_queries", "Prompt tokens looked up in the "
@@ -153,10 +158,13 @@ class Metrics:
         if what.startswith("cancelled_"):
             self._cancelled.labels(what[len("cancelled_"):]).inc()
 
-    def admitted(self, r):
+    def admitted(self, r, looked_up=True):
+        """``r`` got its reservation; ``looked_up``: its prompt was looked up
+        in the prefix cache (not with --no-prefix-cache, --threads-cache
+        dynamic, or a sliding model's windows)."""
         n = len(r.prompt_ids)
         self._prompt.inc(n)
-        if self.pool.prefix_cache:
+        if self.pool.prefix_cache and looked_up:
             self.prefix_queries += n
 
     def first_token(self, r, seconds):
