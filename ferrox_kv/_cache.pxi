@@ -269,7 +269,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     mc = _count(max_chunk, "max_chunk", 1) if max_chunk is not None else bs
     # per cache: its blocks; uniform (every cache the same window) keeps the
     # prefix lookup's layout, one stride per cache
-    cdef list pers = [max(min(full, _window_blocks(w, mc, bs)), 1) if w else full for w in wins]
+    cdef list pers = [_reserved_blocks(full, w, mc, bs) for w in wins]
     cdef bint uniform = all(w == win for w in wins)
     per = pers[0] if count else full
     cdef int32_t salt_id = 0

@@ -145,6 +145,19 @@ A bounded pool of fixed-size KV blocks shared by every cache of a process.
         False for every other dtype)."""
         return self.p.dtype == FX_I4H
 
+    def reservation_blocks(self, max_seq_len, *, window=None, max_chunk=None):
+        """The blocks ``KvCache.with_pool(..., max_seq_len, window=window,
+        max_chunk=max_chunk)`` reserves from this pool (``with_pool_many``:
+        this per cache): ``max(1, ceil(max_seq_len / block_size))``, and with
+        a window at most ``ceil((window + max_chunk - 1) / block_size) + 1``
+        (``max_chunk`` defaults to ``block_size``). For admission control
+        that sizes requests before making their caches."""
+        cdef Py_ssize_t bs = self.p.block_size
+        cdef Py_ssize_t full = max(_blocks_for(_count(max_seq_len, "max_seq_len", 0), bs), 1)
+        cdef Py_ssize_t w = _window_arg(window, max_chunk, None, bs)
+        cdef Py_ssize_t mc = _count(max_chunk, "max_chunk", 1) if max_chunk is not None else bs
+        return _reserved_blocks(full, w, mc, bs)
+
     def stats(self):
         """A consistent snapshot of the pool's counters, as a dict.
 

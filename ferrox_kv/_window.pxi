@@ -89,6 +89,13 @@ cdef inline Py_ssize_t _window_blocks(Py_ssize_t window, Py_ssize_t max_chunk,
     return _blocks_for(window + max_chunk - 1, bs) + 1
 
 
+cdef inline Py_ssize_t _reserved_blocks(Py_ssize_t full, Py_ssize_t window, Py_ssize_t max_chunk,
+                                        Py_ssize_t bs) noexcept nogil:
+    """What one cache reserves: ``full`` blocks (its whole length, at least
+    1), or with a window (> 0) at most what the window needs."""
+    return max(min(full, _window_blocks(window, max_chunk, bs)), 1) if window else full
+
+
 cdef inline Py_ssize_t _trim_to(Cache* c, Py_ssize_t n) noexcept nogil:
     """The base an append to a cache of length ``n`` may move to: the start
     of the block holding max(0, n - window + 1) (a contiguous cache: that

@@ -767,3 +767,32 @@ def test_a_contiguous_cache_refuses_a_bad_window():
     with pytest.raises(TypeError, match="window must be an integer"):
         KvCache(H, D, window=1.5)
     assert KvCache(H, D).window is None and KvCache(H, D, window=3).window == 3
+
+
+@pytest.mark.parametrize("max_seq_len,window,max_chunk", [
+    (0, None, None), (1, None, None), (100, None, None), (100, 6, None), (100, 6, 2),
+    (100, 2, 3), (5, 64, None), (100, 1, 1), (4, 3, 50)])
+def test_reservation_blocks_is_what_with_pool_reserves(max_seq_len, window, max_chunk):
+    p = KvBlockPool(4, 64, H, D)
+    want = p.reservation_blocks(max_seq_len, window=window, max_chunk=max_chunk)
+    c = KvCache.with_pool(H, D, p, max_seq_len, window=window, max_chunk=max_chunk)
+    assert c.blocks_held == want == 64 - p.free_blocks
+    c.close()
+    p.check()
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"max_seq_len": -1}, ValueError, "max_seq_len"),
+    ({"max_seq_len": 1.5}, TypeError, "max_seq_len"),
+    ({"max_seq_len": 8, "window": 0}, ValueError, "window"),
+    ({"max_seq_len": 8, "window": True}, TypeError, "window"),
+    ({"max_seq_len": 8, "window": 4, "max_chunk": 0}, ValueError, "max_chunk"),
+    ({"max_seq_len": 8, "max_chunk": 2}, ValueError, "max_chunk= goes with window=")])
+def test_reservation_blocks_refuses_what_with_pool_refuses(kw, exc, match):
+    p = KvBlockPool(4, 8, H, D)
+    with pytest.raises(exc, match=match):
+        p.reservation_blocks(**kw)
+    with pytest.raises(exc, match=match):
+        KvCache.with_pool(H, D, p, kw.pop("max_seq_len"), **kw)
+    assert p.free_blocks == 8 and p.stats()["refused"] == 0
+    p.check()

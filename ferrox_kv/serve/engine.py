@@ -189,21 +189,17 @@ class Engine:
 
     # -- sizes --------------------------------------------------------------
 
-    def _window_blocks(self, window: int) -> int:
-        """The blocks a window-``window`` layer reserves for a long request
-        (``KvCache.with_pool``'s rule, appends of up to ``prefill_chunk``)."""
-        return -(-(window + self.prefill_chunk - 1) // self.pool.block_size) + 1
-
-    def _blocks_at(self, per_layer: int) -> int:
-        """The blocks of a reservation of ``per_layer`` blocks per full layer."""
-        return sum(per_layer if w is None else min(per_layer, self._window_blocks(w))
-                   for w in self.windows)
+    def _layer_blocks(self, positions: int, window) -> int:
+        """What one layer of a reservation of ``positions`` takes (the pool's
+        rule for ``KvCache.with_pool``, appends of up to ``prefill_chunk``)."""
+        return self.pool.reservation_blocks(
+            positions, window=window, max_chunk=self.prefill_chunk if window else None)
 
     def blocks_for(self, positions: int) -> int:
         """Blocks a reservation of ``positions`` takes, summed over the
         layers: a full layer's ``ceil(positions / block_size)`` (at least
         1), a sliding layer's at most what its window needs."""
-        return self._blocks_at(max(1, -(-positions // self.pool.block_size)))
+        return sum(self._layer_blocks(positions, w) for w in self.windows)
 
     @property
     def max_positions(self) -> int:
@@ -211,16 +207,12 @@ class Engine:
         model whose every layer is sliding: the context, or 2**31 without
         one, once the windows fit the pool)."""
         total, bs = self.pool.total_blocks, self.pool.block_size
-        if all(w is not None for w in self.windows):
-            top = max(self._window_blocks(w) for w in self.windows)
-            if self._blocks_at(top) <= total:
-                return self.context or 1 << 31
-        else:
-            top = total
-        lo, hi = 0, top                  # the most blocks per full layer that fit
+        if all(w is not None for w in self.windows) and self.blocks_for(1 << 31) <= total:
+            return self.context or 1 << 31
+        lo, hi = 0, total                # the most blocks per full layer that fit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._blocks_at(mid) <= total:
+            if self.blocks_for(mid * bs) <= total:
                 lo = mid
             else:
                 hi = mid - 1
