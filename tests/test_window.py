@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from support.numerics import DTYPES
+from support.windows import Rule, assert_rule as _assert_rule, ceil as _ceil
 from ferrox_kv import KvBlockPool, KvCache, KvPoolExhausted, attend_many, push_layers
 
 H, D, NH = 2, 8, 4
@@ -19,90 +20,6 @@ H, D, NH = 2, 8, 4
 def _rows(rng, t):
     return (rng.standard_normal((t, H, D)).astype(np.float32),
             rng.standard_normal((t, H, D)).astype(np.float32))
-
-
-def _ceil(a, b):
-    return -(-a // b)
-
-
-class Rule:
-    """What _window.pxi says a windowed pooled cache holds: its first
-    position ``base``, its block count ``nb`` and its shared prefix."""
-
-    def __init__(self, bs, window, resv):
-        self.bs, self.w, self.resv = bs, window, resv
-        self.base, self.nb, self.len, self.shared = 0, resv, 0, 0
-        self.pooled = True
-
-    def cap(self):
-        return self.base + self.nb * self.bs if self.pooled else self.ccap
-
-    def release(self):
-        self.ccap, self.pooled, self.nb = self.cap(), False, 0
-
-    def private_at(self, r):
-        return self.shared == 0 or r - self.base >= self.shared * self.bs
-
-    def trim_to(self, n):
-        keep = n - self.w + 1
-        return self.base if keep <= self.base else keep - keep % self.bs
-
-    def trim_due(self):
-        return self.nb > self.resv and self.trim_to(self.len) > self.base
-
-    def plan(self, t):
-        """(blocks given back, blocks taken) by an append of t rows."""
-        n, bs = self.len, self.bs
-        if not self.pooled or t == 0:
-            return 0, 0
-        if not (n + t > self.cap() or not self.private_at(n) or self.trim_due()):
-            return 0, 0
-        trim = (self.trim_to(n) - self.base) // bs
-        held = max(_ceil(n + t - self.base, bs), trim + self.resv)
-        return trim, max(held - self.nb, 0)
-
-    def append(self, t):
-        n, bs = self.len, self.bs
-        if not self.pooled and n + t > self.ccap:      # a new buffer from the window on
-            self.base = max(self.base, n - self.w + 1)
-            self.ccap = self.base + max(2 * (n + t - self.base), 4)
-        if self.pooled and t and (n + t > self.cap() or not self.private_at(n)
-                                  or self.trim_due()):
-            trim, grow = self.plan(t)
-            if not self.private_at(n) and min(_ceil(n - self.base + t, bs), self.nb) >= self.shared:
-                self.shared = (n - self.base) // bs
-            self.shared = max(self.shared - trim, 0)
-            self.base += trim * bs
-            self.nb += grow - trim
-        self.len += t
-
-    def truncate_ok(self, n):
-        return n == self.len or n == 0 or max(n - self.w + 1, 0) >= self.base
-
-    def truncate(self, n):
-        if n == 0:
-            if not self.pooled:
-                self.ccap -= self.base
-            self.base = 0
-        self.len = n
-
-    def fork(self):
-        child = Rule(self.bs, self.w, self.resv)
-        if not self.pooled:                  # a contiguous cache's fork is its copy
-            child.pooled, child.nb, child.base, child.len = False, 0, self.base, self.len
-            child.ccap = self.len
-            return child
-        full, tail = divmod(self.len - self.base, self.bs)
-        child.base, child.len, child.shared = self.base, self.len, full
-        child.nb = max(self.nb, full + (tail > 0))
-        if full > self.shared:
-            self.shared = full
-        return child
-
-
-def _assert_rule(c, r):
-    assert (c.first_pos, c.blocks_held, c.seq_len) == (r.base, r.nb if r.pooled else 0, r.len)
-    assert c.capacity == r.cap()
 
 
 def _pool(dtype="float32", bs=4, total=64):

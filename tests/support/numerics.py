@@ -67,9 +67,75 @@ def q8_round(x, head_dim):
             scales.reshape(lead + ((w // head_dim) * n_groups,)))
 
 
-def stored(x, dtype, head_dim):
+def hadamard_block(head_dim):
+    """The Hadamard block of an int4 head: the largest power of two dividing
+    head_dim, at most 512 (fx_hadamard_block)."""
+    return min(head_dim & -head_dim, 512)
+
+
+def fwht(x, head_dim):
+    """fx_fwht over every head of float32 rows ``x`` (last axis: heads of
+    ``head_dim``), in float32 with the core's order of additions: a fast
+    Walsh-Hadamard transform per block, then the factor 1/sqrt(b). The
+    orthonormal block-diagonal Hadamard matrix, its own inverse."""
+    x = np.ascontiguousarray(x, np.float32)
+    b = hadamard_block(head_dim)
+    k = b.bit_length() - 1
+    f = np.float32(0.5) ** (k // 2)
+    if k & 1:
+        f = np.float32(f * np.float32(0.70710678118654752))
+    y = x.reshape(-1, b)
+    h = 1
+    with np.errstate(all="ignore"):
+        while h < b:
+            z = y.reshape(-1, b // (2 * h), 2, h)
+            u, w = z[:, :, 0], z[:, :, 1]
+            y = np.stack([u + w, u - w], 2).reshape(-1, b)
+            h *= 2
+        y = y * f
+    return y.reshape(x.shape)
+
+
+def q4_round(x, head_dim, rotate=True):
+    """The int4 storage contract over rows of float32 values (last axis:
+    heads of ``head_dim``, a multiple of 32), bit for bit: each head rotated
+    first when ``rotate`` (fwht), then groups of 32 with scale amax/7 as
+    float16 (one float16 step up when |x|/s would pass 7, capped at 65504),
+    q = clip(rint(x/s), -7, 7); an all-zero, NaN or inf group stores q = 0
+    with scale 0, NaN or inf. Returns (the float32 values ``.k``/``.v``
+    read back: q * s, rotated back, int8 q values of the rotated rows,
+    float16 scales)."""
+    x = np.ascontiguousarray(x, np.float32)
+    y = fwht(x, head_dim) if rotate else x
+    g = y.reshape(-1, 32)
+    q = np.zeros(g.shape, np.int8)
+    s = np.zeros(len(g), np.float16)
+    with np.errstate(all="ignore"):
+        a = np.abs(g)
+        nan = np.isnan(a).any(-1)
+        amax = np.where(nan, np.float32(np.nan), np.max(np.where(np.isnan(a), 0, a), -1))
+        amax = amax.astype(np.float32)
+        ok = np.isfinite(amax) & (amax != 0)
+        h = (amax / np.float32(7)).astype(np.float16)
+        h = np.where(ok & np.isinf(h), np.float16(65504), h)
+        up = ok & (h < np.float16(65504)) & ~(amax / h.astype(np.float32) <= np.float32(7))
+        h = np.where(up, np.nextafter(h, np.float16(np.inf)), h)
+        s = np.where(ok, h, np.where(nan, np.float16(np.nan),
+                                     np.where(amax == 0, np.float16(0), np.float16(np.inf))))
+        sf = s.astype(np.float32)[:, None]
+        v = np.where(ok[:, None], np.rint(g / np.where(ok[:, None], sf, 1)), 0)
+        q = np.clip(v, -7, 7).astype(np.int8)
+        back = (q.astype(np.float32) * sf).reshape(x.shape)
+    if rotate:
+        back = fwht(back, head_dim)
+    lead = x.shape[:-1]
+    return back, q.reshape(x.shape), s.reshape(lead + (x.shape[-1] // 32,))
+
+
+def stored(x, dtype, head_dim, rotate=None):
     """The float32 values a cache of ``dtype`` gives back for float32 input
-    ``x`` (last axis: heads of ``head_dim``, flat)."""
+    ``x`` (last axis: heads of ``head_dim``, flat). ``rotate`` applies to
+    int4 (None: rotated, the pool's default)."""
     x = np.asarray(x, np.float32)
     if dtype == "float32":
         return x
@@ -77,6 +143,8 @@ def stored(x, dtype, head_dim):
         return x.astype(np.float16).astype(np.float32)
     if dtype == "bfloat16":
         return bf16_round(x)
+    if dtype == "int4":
+        return q4_round(x, head_dim, rotate is not False)[0]
     return q8_round(x, head_dim)[0]
 
 
