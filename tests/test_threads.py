@@ -24,7 +24,10 @@ def gil_always_released():
     ferrox_kv.set_gil_release_threshold(old)
 
 
-def _worker(pool, seed, steps, h, d):
+def _worker(pool, seed, steps, h, d, window=None):
+    """Random operations on caches of one pool; windowed caches (window=W:
+    pooled ones and contiguous ones) check the rows from first_pos on and a
+    truncate into the region they gave back is refused."""
     dt = pool.dtype
     rng = random.Random(seed)
     w = h * d
@@ -34,9 +37,9 @@ def _worker(pool, seed, steps, h, d):
         op = rng.random()
         if op < 0.15 or not live:
             try:
-                c = KvCache.with_pool(h, d, pool, rng.randint(0, 24))
+                c = KvCache.with_pool(h, d, pool, rng.randint(0, 24), window=window)
             except KvPoolExhausted:
-                c = KvCache(h, d, dtype=dt)
+                c = KvCache(h, d, dtype=dt, window=window)
             live.append([c, [], []])
             continue
         entry = rng.choice(live)
@@ -71,6 +74,10 @@ def _worker(pool, seed, steps, h, d):
                 g[1].append(row), g[2].append(-row)
         elif op < 0.75:
             n = rng.randint(0, len(ks))
+            if window and 0 < n < len(ks) and max(n - window + 1, 0) < c.first_pos:
+                with pytest.raises(ValueError, match=f"cannot truncate to {n}"):
+                    c.truncate(n)
+                continue
             c.truncate(n)
             del ks[n:], vs[n:]
         elif op < 0.82:
@@ -79,26 +86,34 @@ def _worker(pool, seed, steps, h, d):
             live.remove(entry)             # drop: blocks go back
             del c, entry
         else:
-            got_k, got_v = values(c.k).reshape(-1, w), values(c.v).reshape(-1, w)
-            np.testing.assert_array_equal(got_k, stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
-            np.testing.assert_array_equal(got_v, stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
+            _check_rows(c, ks, vs, dt, w, d)
     for c, ks, vs in live:
-        np.testing.assert_array_equal(values(c.k).reshape(-1, w),
-                                      stored(np.array(ks, np.float32).reshape(-1, w), dt, d))
-        np.testing.assert_array_equal(values(c.v).reshape(-1, w),
-                                      stored(np.array(vs, np.float32).reshape(-1, w), dt, d))
+        _check_rows(c, ks, vs, dt, w, d)
 
 
-@pytest.mark.parametrize("threshold,dtype", [("default", "float32"), ("always", "float32"),
-                                             ("always", "int8"), ("always", "bfloat16")])
-def test_eight_threads_share_one_pool_and_every_block_comes_back(threshold, dtype, request):
+def _check_rows(c, ks, vs, dt, w, d):
+    """The cache's rows (from first_pos on) are the stored ones."""
+    assert c.seq_len == len(ks)
+    for got, rows in ((c.k, ks), (c.v, vs)):
+        np.testing.assert_array_equal(
+            values(got).reshape(-1, w),
+            stored(np.array(rows[c.first_pos:], np.float32).reshape(-1, w), dt, d))
+
+
+@pytest.mark.parametrize("threshold,dtype,d,window", [
+    ("default", "float32", 8, None), ("always", "float32", 8, None), ("always", "int8", 8, None),
+    ("always", "bfloat16", 8, None), ("always", "int4", 32, None), ("always", "float32", 8, 5),
+    ("always", "int4", 32, 3)])
+def test_eight_threads_share_one_pool_and_every_block_comes_back(threshold, dtype, d, window,
+                                                                 request):
     if threshold == "always":
         request.getfixturevalue("gil_always_released")
-    pool = KvBlockPool(4, 64, 2, 8, dtype=dtype)
-    errors = run_threads(8, lambda s: _worker(pool, s, 600, 2, 8))
+    pool = KvBlockPool(4, 64, 2, d, dtype=dtype)
+    errors = run_threads(8, lambda s: _worker(pool, s, 600, 2, d, window))
     if errors:
         raise errors[0]
     gc.collect()
+    pool.check()
     s = pool.stats()
     assert s["free_blocks"] == 64 and s["acquired"] == s["released"] > 0
     assert s["high_water"] <= 64
@@ -137,10 +152,10 @@ def test_one_cache_from_two_threads_raises_runtime_error_and_stays_consistent(gi
     assert int((k[:, 0] == 2.0).sum()) == pushes and int((k[:, 0] == 1.0).sum()) == extends[0] * 2048
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_fork_child_never_inherits_a_held_pool_lock(dtype):
-    pool = KvBlockPool(2, 8, 1, 2, dtype=dtype)
-    held = KvCache.with_pool(1, 2, pool, 4)
+@pytest.mark.parametrize("dtype,d", [("float32", 2), ("int8", 2), ("int4", 32)])
+def test_fork_child_never_inherits_a_held_pool_lock(dtype, d):
+    pool = KvBlockPool(2, 8, 1, d, dtype=dtype)
+    held = KvCache.with_pool(1, d, pool, 4)
     holder = threading.Thread(target=_core._hold_pool_lock, args=(pool, 0.5))
     holder.start()
     time.sleep(0.1)                                   # the lock is held now
@@ -148,8 +163,8 @@ def test_fork_child_never_inherits_a_held_pool_lock(dtype):
     if pid == 0:                                      # child: must not deadlock
         code = 1
         try:
-            c = KvCache.with_pool(1, 2, pool, 4)
-            c.push(np.ones(2, np.float32), np.ones(2, np.float32))
+            c = KvCache.with_pool(1, d, pool, 4)
+            c.push(np.ones(d, np.float32), np.ones(d, np.float32))
             ok = pool.free_blocks == 4 and held.blocks_held == 2
             c.release_to_pool()
             code = 0 if ok and pool.free_blocks == 6 else 2
