@@ -406,3 +406,89 @@ def test_publishing_a_cache_with_its_fork_as_two_layers_publishes_nothing_shared
     assert sorted(ids.tolist()) == list(range(8))
     pool.free(ids)
     pool.check()
+
+
+# -- int4 and sliding windows: the same sharing rules ----------------------------------
+
+D4 = 32                                  # int4 head dims are multiples of 32
+
+
+def _rand(n, seed):
+    return np.random.default_rng(seed).standard_normal((n, D4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rotate", [None, False])
+def test_int4_fork_copy_on_write_and_prefix_hits_keep_the_stored_rows(rotate):
+    from support.numerics import stored
+    pool = KvBlockPool(4, 32, 1, D4, prefix_cache=True, dtype="int4", rotate=rotate)
+    k, v = _rand(12, 1), _rand(12, 2)
+    toks = list(range(1, 13))
+    parent = KvCache.with_pool(1, D4, pool, 16)
+    parent.extend(k, v)
+    want_k, want_v = stored(k, "int4", D4, rotate), stored(v, "int4", D4, rotate)
+    child = parent.fork()
+    assert (child.dtype, child.rotate) == ("int4", rotate is not False)
+    assert child.block_table.tolist()[:3] == parent.block_table.tolist()[:3]
+    child.truncate(5)                     # back into shared block 1: the write copies it
+    k2, v2 = _rand(3, 3), _rand(3, 4)
+    child.extend(k2, v2)
+    assert child.block_table[0] == parent.block_table[0]
+    assert child.block_table[1] != parent.block_table[1]
+    for c, wk, wv in ((parent, want_k, want_v),
+                      (child, np.concatenate([want_k[:5], stored(k2, "int4", D4, rotate)]),
+                       np.concatenate([want_v[:5], stored(v2, "int4", D4, rotate)]))):
+        assert np.array_equal(c.k.reshape(-1, D4), wk) and np.array_equal(c.v.reshape(-1, D4), wv)
+    assert pool.publish([parent], toks) == 12
+    hit = KvCache.with_pool(1, D4, pool, 16, tokens=toks + [0])
+    assert hit.seq_len == 12 and hit.block_table.tolist()[:3] == parent.block_table.tolist()[:3]
+    assert hit.k.tobytes() == parent.k.tobytes() and hit.v.tobytes() == parent.v.tobytes()
+    pool.check()
+    del parent, child, hit, c
+    gc.collect()
+    pool.check()
+    assert pool.free_blocks == 32             # the published blocks stay cached, and count free
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_windowed_fork_and_copy_keep_the_window_and_release_gives_each_block_back_once(dtype):
+    total = 40
+    pool = KvBlockPool(4, total, 1, D4, dtype=dtype)
+    parent = KvCache.with_pool(1, D4, pool, 1000, window=6)
+    parent.extend(_rand(21, 5), _rand(21, 6))
+    parent.push(_rand(1, 7)[0], _rand(1, 8)[0])
+    assert parent.first_pos > 0
+
+    def held(*caches):
+        return set().union(*(x.block_table.tolist() for x in caches))
+
+    child = parent.fork()
+    copied = parent.copy()
+    for x in (child, copied):
+        assert (x.window, x.first_pos, x.seq_len, x.dtype) == (6, parent.first_pos, 22, dtype)
+        assert x.k.tobytes() == parent.k.tobytes() and x.v.tobytes() == parent.v.tobytes()
+    assert not copied.is_pooled and copied.blocks_held == 0
+    shared = set(parent.block_table.tolist()) & set(child.block_table.tolist())
+    assert shared and pool.free_blocks == total - len(held(parent, child))
+    pool.check()
+    for step in range(6):                 # the windows move on; shared blocks leave them
+        for x, seed in ((parent, 10), (child, 20)):
+            x.extend(_rand(3, seed + step), _rand(3, seed + step))
+        assert pool.free_blocks == total - len(held(parent, child))
+        pool.check()
+    assert not set(parent.block_table.tolist()) & set(child.block_table.tolist())
+    free = pool.free_blocks
+    n_parent = parent.blocks_held
+    parent.release_to_pool()
+    assert parent.window == 6 and not parent.is_pooled
+    assert pool.free_blocks == free + n_parent
+    parent.release_to_pool()              # idempotent: nothing given back twice
+    child.release_to_pool()
+    child.release_to_pool()
+    assert pool.free_blocks == total
+    pool.check()
+    s = pool.stats()
+    assert s["acquired"] == s["released"]
+    del parent, child, copied
+    gc.collect()
+    assert pool.free_blocks == total
+    pool.check()
