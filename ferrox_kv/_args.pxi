@@ -58,6 +58,16 @@ cdef Py_ssize_t _count(object value, str name, Py_ssize_t minimum) except -1:
     return <Py_ssize_t>ivalue
 
 
+cdef Py_ssize_t _positions(object value, str name) except -1:
+    """A number of positions >= 1 (a sliding window, a chunk), or
+    ValueError/TypeError naming it. A bool is a TypeError: ``window=True``
+    is a request for a window, not for a window of one position."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer number of positions, got bool "
+                        f"({value!r}); pass the size itself")
+    return _count(value, name, 1)
+
+
 cdef size_t _checked_bytes(str what, Py_ssize_t a, Py_ssize_t b,
                            Py_ssize_t c) except 0:
     """a * b * c * sizeof(float), or ValueError if it overflows.

@@ -153,7 +153,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         if not (sc == sc) or abs(sc) > 3.4028234663852886e38:
             raise ValueError(f"scale must be a finite float32, got {sc}")
     if window is not None:
-        win = _count(window, "window", 1)
+        win = _positions(window, "window")
     starts = None
     if start is not None:
         starts = np.asarray(start)

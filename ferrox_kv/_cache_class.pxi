@@ -143,7 +143,8 @@ K and V rows of one sequence in one layer.
         position ever appended; ``first_pos`` is the first one still held.
         ``attend`` applies the window, ``truncate`` cannot go back before
         ``first_pos + W - 1``, and the cache takes no part in the prefix
-        cache (``tokens=`` with ``window=`` is a ``ValueError``).
+        cache (``tokens=`` with ``window=`` is a ``ValueError``). ``window``
+        and ``max_chunk`` are integers >= 1; a bool is a ``TypeError``.
         """
         return _new_pooled(1, n_kv_heads, head_dim, v_head_dim, pool, max_seq_len,
                            tokens, salt, dtype, window, max_chunk)[0]

@@ -35,9 +35,9 @@ cdef Py_ssize_t _window_arg(object window, object max_chunk, object tokens,
             raise ValueError("max_chunk= goes with window=: it sizes a sliding window's "
                              "reservation")
         return 0
-    cdef Py_ssize_t w = _count(window, "window", 1)
+    cdef Py_ssize_t w = _positions(window, "window")
     if max_chunk is not None:
-        _count(max_chunk, "max_chunk", 1)
+        _positions(max_chunk, "max_chunk")
     if tokens is not None:
         raise ValueError(
             "tokens= cannot be used with window=: a sliding-window cache takes no part "

@@ -323,6 +323,9 @@ def test_closing_and_collecting_windowed_caches_gives_every_block_back_once():
     (dict(window=-3), ValueError, "window must be >= 1"),
     (dict(window="8"), TypeError, "window must be an integer"),
     (dict(window=2.5), TypeError, "window must be an integer"),
+    (dict(window=True), TypeError, "window must be an integer number of positions, got bool"),
+    (dict(window=False), TypeError, "window must be an integer number of positions, got bool"),
+    (dict(window=4, max_chunk=True), TypeError, "max_chunk must be an integer number of positions"),
     (dict(window=4, max_chunk=0), ValueError, "max_chunk must be >= 1"),
     (dict(max_chunk=4), ValueError, "max_chunk= goes with window="),
     (dict(window=4, tokens=[1, 2, 3]), ValueError, "tokens= cannot be used with window="),
@@ -681,6 +684,12 @@ def test_a_contiguous_windowed_cache_equals_a_whole_one_and_stays_small(dtype):
 def test_a_contiguous_cache_refuses_a_bad_window():
     with pytest.raises(ValueError, match="window must be >= 1"):
         KvCache(H, D, window=0)
+    with pytest.raises(TypeError, match="window must be an integer number of positions, got bool"):
+        KvCache(H, D, window=True)
+    c = KvCache(H, D)
+    c.push(np.ones(H * D, np.float32), np.ones(H * D, np.float32))
+    with pytest.raises(TypeError, match="window must be an integer number of positions, got bool"):
+        c.attend(np.ones((NH, D), np.float32), window=True)
     with pytest.raises(TypeError, match="window must be an integer"):
         KvCache(H, D, window=1.5)
     assert KvCache(H, D).window is None and KvCache(H, D, window=3).window == 3
