@@ -107,6 +107,47 @@ CASES += [
 ]
 
 
+# Sliding windows (window=, max_chunk=) and int4's rotation (rotate=): a bool
+# window is a TypeError (window=True asks for a window, not for one of 1).
+BOOL_POS = "must be an integer number of positions, got bool"
+q_ok = np.zeros((H, D), np.float32)
+CASES += [
+    ("window_zero", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=0), ValueError, "window must be >= 1, got 0"),
+    ("window_negative", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=-3), ValueError, "window must be >= 1, got -3"),
+    ("window_true", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=True), TypeError, "window " + BOOL_POS),
+    ("window_false", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=False), TypeError, "window " + BOOL_POS),
+    ("window_numpy_bool", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=np.True_), TypeError, "window must be an integer"),
+    ("window_float", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=4.0), TypeError, "window must be an integer, got float"),
+    ("window_str", lambda p, cs: KvCache.with_pool(H, D, p, 4, window="4"), TypeError, "window must be an integer, got str"),
+    ("window_huge", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=2**80), ValueError, "window is too large"),
+    ("window_many_true", lambda p, cs: KvCache.with_pool_many(2, H, D, p, 4, window=True), TypeError, "window " + BOOL_POS),
+    ("window_many_zero", lambda p, cs: KvCache.with_pool_many(2, H, D, p, 4, window=0), ValueError, "window must be >= 1"),
+    ("window_many_float", lambda p, cs: KvCache.with_pool_many(2, H, D, p, 4, window=2.5), TypeError, "window must be an integer"),
+    ("window_many_huge", lambda p, cs: KvCache.with_pool_many(2, H, D, p, 4, window=2**63), ValueError, "window is too large"),
+    ("window_contiguous_true", lambda p, cs: KvCache(H, D, window=True), TypeError, "window " + BOOL_POS),
+    ("window_contiguous_zero", lambda p, cs: KvCache(H, D, window=0), ValueError, "window must be >= 1"),
+    ("window_contiguous_float", lambda p, cs: KvCache(H, D, window=1.5), TypeError, "window must be an integer"),
+    ("window_with_capacity", lambda p, cs: KvCache.with_capacity(H, D, 4, window=3), TypeError, "window"),
+    ("max_chunk_true", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=4, max_chunk=True), TypeError, "max_chunk " + BOOL_POS),
+    ("max_chunk_zero", lambda p, cs: KvCache.with_pool(H, D, p, 4, window=4, max_chunk=0), ValueError, "max_chunk must be >= 1"),
+    ("max_chunk_without_window", lambda p, cs: KvCache.with_pool(H, D, p, 4, max_chunk=2), ValueError, "max_chunk= goes with window="),
+    ("rotate_int", lambda p, cs: KvBlockPool(4, 4, H, 32, dtype="int4", rotate=1), TypeError, "rotate must be True, False or None, got int"),
+    ("rotate_str", lambda p, cs: KvCache(H, 32, dtype="int4", rotate="yes"), TypeError, "rotate must be True, False or None, got str"),
+    ("rotate_float_capacity", lambda p, cs: KvCache.with_capacity(H, 32, 4, dtype="int4", rotate=1.0), TypeError, "rotate must be"),
+    ("rotate_true_float32_pool", lambda p, cs: KvBlockPool(4, 4, H, D, rotate=True), ValueError, "rotate=True applies to dtype='int4' only"),
+    ("rotate_true_int8_cache", lambda p, cs: KvCache(H, D, dtype="int8", rotate=True), ValueError, "rotate=True applies to dtype='int4' only"),
+    ("with_pool_rotate", lambda p, cs: KvCache.with_pool(H, D, p, 1, rotate=False), TypeError, "rotate"),
+    ("int4_head_dim", lambda p, cs: KvBlockPool(4, 4, H, D, dtype="int4"), ValueError, "multiples of 32"),
+    ("int4_on_a_float32_pool", lambda p, cs: KvCache.with_pool(H, 32, KvBlockPool(2, 4, H, 32), 1, dtype="int4"), ValueError, "does not match the pool's dtype"),
+    ("float32_on_an_int4_pool", lambda p, cs: KvCache.with_pool(H, 32, KvBlockPool(2, 4, H, 32, dtype="int4"), 1, dtype="float32"), ValueError, "does not match the pool's dtype"),
+]
+for i in range(4):
+    CASES += [
+        (f"attend_window_true[{i}]", lambda p, cs, i=i: cs[i].attend(q_ok, window=True), TypeError, "window " + BOOL_POS),
+        (f"attend_window_zero[{i}]", lambda p, cs, i=i: cs[i].attend(q_ok, window=0), ValueError, "window must be >= 1"),
+    ]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_raises_and_changes_nothing(world, case):
     pool, caches, _ = world
@@ -121,6 +162,7 @@ def test_bad_input_raises_and_changes_nothing(world, case):
         assert after[0]["refused"] == before_refused + 1
         after[0]["refused"] = before_refused
     assert_same(before, after)
+    pool.check()
 
 
 def test_exhausted_error_reports_requested_and_free(world):
