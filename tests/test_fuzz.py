@@ -23,6 +23,7 @@ ALLOWED = (ValueError, TypeError, KvPoolExhausted, MemoryError)   # MemoryError:
 
 
 def _values(world):
+    W = world.w
     plain = st.one_of(
         st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 12),
         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3),
@@ -30,7 +31,8 @@ def _values(world):
         arrays(st.sampled_from([np.float32, np.float64, np.float16, np.int32, np.uint8,
                                 np.bool_, np.complex64]),
                array_shapes(min_dims=0, max_dims=4, max_side=5)),
-        arrays(np.float32, st.sampled_from([(W,), (H, D), (3, W), (2, H, D), (1, 2, W)])),
+        arrays(np.float32, st.sampled_from([(W,), (H, world.d), (3, W), (2, H, world.d),
+                                            (1, 2, W)])),
     )
     actions = st.sampled_from(["close", "clear_list", "truncate", "nothing"])
     hooked = st.builds(lambda v, a: ArrayHook(v, world.action(a)),
@@ -41,7 +43,9 @@ def _values(world):
 class World:
     def __init__(self, dtype="float32"):
         self.dtype = dtype
-        self.pool = KvBlockPool(BS, 24, H, D, prefix_cache=True, dtype=dtype)
+        self.d = 32 if dtype == "int4" else D          # int4 head dims: multiples of 32
+        self.w = H * self.d
+        self.pool = KvBlockPool(BS, 24, H, self.d, prefix_cache=True, dtype=dtype)
         self.caches = []
         self.raw = []                  # ids from allocate(): the caller frees them
 
@@ -60,7 +64,7 @@ class World:
 
     def pick(self, data):
         if not self.caches:
-            return KvCache(H, D, dtype=self.dtype)
+            return KvCache(H, self.d, dtype=self.dtype)
         return data.draw(st.sampled_from(self.caches))
 
 
@@ -70,18 +74,24 @@ OPS = ["new", "with_capacity", "with_pool", "with_pool_many", "push", "extend", 
 
 
 def _call(world, op, data, any_value):
-    w, pool = world, world.pool
+    w, pool, D = world, world.pool, world.d
     a = lambda: data.draw(any_value)                     # noqa: E731
+    # a sliding window: none, a sensible one, or anything at all
+    win = lambda: data.draw(st.one_of(st.none(), st.integers(1, 9), any_value))  # noqa: E731
     if op == "new":
-        w.caches.append(KvCache(a(), a(), dtype=data.draw(st.sampled_from([w.dtype, a()])))
-                        if data.draw(st.booleans()) else KvCache(H, D, dtype=w.dtype))
+        w.caches.append(KvCache(a(), a(), dtype=data.draw(st.sampled_from([w.dtype, a()])),
+                                rotate=data.draw(st.sampled_from([None, False, a()])),
+                                window=win())
+                        if data.draw(st.booleans()) else KvCache(H, D, dtype=w.dtype, window=win()))
     elif op == "with_capacity":
         w.caches.append(KvCache.with_capacity(H, D, a(), dtype=w.dtype))
     elif op == "with_pool":
         w.caches.append(KvCache.with_pool(H, D, pool, a(), tokens=data.draw(
-            st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=20), st.just("x")))))
+            st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=20), st.just("x"))),
+            window=win(), max_chunk=data.draw(st.sampled_from([None, 2, a()]))))
     elif op == "with_pool_many":
-        w.caches += KvCache.with_pool_many(a(), H, D, pool, data.draw(st.integers(0, 12)))
+        w.caches += KvCache.with_pool_many(a(), H, D, pool, data.draw(st.integers(0, 12)),
+                                           window=win())
     elif op == "push":
         w.pick(data).push(a(), a())
     elif op == "extend":
@@ -114,15 +124,11 @@ def _call(world, op, data, any_value):
         pool.publish(data.draw(st.sampled_from([w.caches[:1], w.caches, [a()]])), a())
     elif op == "pool":
         KvBlockPool(a(), a(), a(), a(), v_head_dim=data.draw(st.sampled_from([None, a()])),
-                    dtype=data.draw(st.sampled_from(["float32", "bfloat16", a()])))
+                    dtype=data.draw(st.sampled_from(["float32", "bfloat16", "int4", a()])),
+                    rotate=data.draw(st.sampled_from([None, True, False, a()])))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_arbitrary_calls_raise_only_documented_errors_and_lose_nothing(dtype, data):
+def _program(dtype, data):
     world = World(dtype)
     any_value = _values(world)
     for _ in range(data.draw(st.integers(1, 25))):
@@ -142,3 +148,24 @@ def test_arbitrary_calls_raise_only_documented_errors_and_lose_nothing(dtype, da
     gc.collect()
     world.pool.check()
     assert world.pool.used_blocks == 0
+
+
+OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+INVALID = pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+
+
+@OVERFLOW
+@INVALID
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_arbitrary_calls_raise_only_documented_errors_and_lose_nothing(dtype, data):
+    _program(dtype, data)
+
+
+@OVERFLOW
+@INVALID
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_arbitrary_calls_on_an_int4_pool_raise_only_documented_errors_and_lose_nothing(data):
+    _program("int4", data)
