@@ -24,7 +24,7 @@ def _cache(dtype, n=21):
     return c
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int4"])
 def test_cache_round_trip_contiguous_and_pooled(tmp_path, dtype):
     c = _cache(dtype)
     path = tmp_path / "slot"
@@ -43,6 +43,27 @@ def test_cache_round_trip_contiguous_and_pooled(tmp_path, dtype):
     pooled.close()
     pool.check()
     assert pool.free_blocks == 32
+
+
+@pytest.mark.parametrize("rotate", [None, False])
+def test_an_int4_cache_keeps_its_rotation_and_loads_only_into_a_pool_of_it(tmp_path, rotate):
+    c = ferrox_kv.KvCache(STORE_HEADS, STORE_DIM, dtype="int4", rotate=rotate)
+    c.extend(rows(21, W, 1), rows(21, W, 2))
+    path = tmp_path / "slot"
+    c.save(path, fingerprint="m")
+    back = ferrox_kv.KvCache.load(path, fingerprint="m")
+    assert (back.dtype, back.rotate) == ("int4", rotate is not False)
+    assert back.k.tobytes() == c.k.tobytes() and back.v.tobytes() == c.v.tobytes()
+    same = store_pool(32, "int4", rotate=rotate)
+    pooled = ferrox_kv.KvCache.load(path, fingerprint="m", pool=same)
+    assert pooled.k.tobytes() == c.k.tobytes() and pooled.rotate == c.rotate
+    other = store_pool(32, "int4", rotate=False if rotate is None else None)
+    before = pool_counts(other)
+    with pytest.raises(StoreMismatch, match="int4") as e:
+        ferrox_kv.KvCache.load(path, fingerprint="m", pool=other)
+    assert e.value.field == "dtype"
+    assert pool_counts(other) == before
+    other.check()
 
 
 def test_cache_load_refusals_leave_the_pool_alone(tmp_path):
@@ -306,3 +327,31 @@ def test_a_huge_sparse_file_is_store_corrupt_before_a_buffer_is_sized_by_it(tmp_
                          capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(ferrox_kv.__file__)))
     assert out.stdout.startswith("StoreCorrupt"), (out.stdout, out.stderr[-2000:])
+
+
+def test_ferrox_cache_load_keeps_an_int4_files_rotation(tmp_path):
+    """A FerroxCache of an int4 pool without the rotation saves rows marked
+    so; they load only where rows are stored so (a pool with
+    rotate=False), never as rotated ones."""
+    from ferrox_kv.hf import FerroxCache
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=STORE_HEADS * STORE_DIM, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=STORE_HEADS, num_key_value_heads=STORE_HEADS)
+    plain = store_pool(32, "int4", rotate=False)
+    cache = FerroxCache(cfg, pool=plain, max_seq_len=8)
+    k = torch.from_numpy(rows(5, W, 1).reshape(1, 5, STORE_HEADS, STORE_DIM)).transpose(1, 2)
+    for i in range(2):
+        cache.update(k * (i + 1), -k, i)
+    want = [(layer.seqs[0].k.tobytes(), layer.seqs[0].v.tobytes()) for layer in cache.layers]
+    cache.save(tmp_path / "conv")
+    cache.close()
+    for pool in (None, store_pool(32, "int4")):
+        with pytest.raises(StoreMismatch, match="without the rotation|int4.norot") as e:
+            FerroxCache.load(tmp_path / "conv", cfg, pool=pool)
+        assert e.value.field == "dtype"
+    back = FerroxCache.load(tmp_path / "conv", cfg, pool=plain)
+    assert [(layer.seqs[0].k.tobytes(), layer.seqs[0].v.tobytes())
+            for layer in back.layers] == want
+    back.close()
+    plain.check()
+    assert plain.free_blocks == 32

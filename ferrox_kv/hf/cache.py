@@ -728,12 +728,13 @@ class FerroxCache(Cache):
         otherwise). ``tokens``: the resumed conversation's ids (the saved
         ones, then the new turn's); the saved ids must be their start
         (``StoreMismatch``, field ``tokens``, also for a file saved without
-        them). It stores the file's dtype (a pool's must match);
+        them). It stores the file's dtype and int4 rotation (a pool's must
+        match: ``StoreMismatch``, field ``dtype``);
         ``max_seq_len`` (at least the saved positions) is reserved as by the
         constructor. Pass it to ``generate`` with the whole conversation's
         ids: it feeds only the positions the cache lacks."""
-        from ferrox_kv.store._cache import read_layers, reserved
-        from ferrox_kv.store._format import StoreMismatch
+        from ferrox_kv.store._cache import check_pool_dtype, read_layers, reserved
+        from ferrox_kv.store._format import StoreMismatch, as_cache_dtype
         g, _, ks, vs = read_layers(path, fingerprint=fingerprint,
                                    tokens=None if tokens is None else _ids(tokens))
         n_layers, n_kv, head_dim = kv_geometry(config)
@@ -744,7 +745,15 @@ class FerroxCache(Cache):
             if have != want:
                 raise StoreMismatch(name, f"saved with {name}={have}, the model has {want}")
         cap = reserved(max_seq_len, g.block_size)
-        cache = cls(config, pool=pool, max_seq_len=cap, dtype=g.dtype)
+        dtype, rotate = as_cache_dtype(g.dtype)
+        if pool is not None:
+            check_pool_dtype(g, pool)
+        elif rotate is False:
+            raise StoreMismatch("dtype", "the file's rows are int4 without the rotation, and a "
+                                         "FerroxCache without a pool stores int4 rotated: load "
+                                         "it with pool=KvBlockPool(..., dtype='int4', "
+                                         "rotate=False)")
+        cache = cls(config, pool=pool, max_seq_len=cap, dtype=dtype)
         try:
             for layer, k, v in zip(cache.layers, ks, vs):
                 layer.seqs[0]._extend_stored(k, v)

@@ -23,6 +23,7 @@ from ferrox_kv.store._format import (
     ENTRY,
     FLAG_NO_TOKENS,
     HEADER,
+    INT4_PLAIN,
     KIND_FILE,
     MAX_FINGERPRINT,
     Geometry,
@@ -31,10 +32,12 @@ from ferrox_kv.store._format import (
     _header,
     _tokens_i32,
     _view,
+    as_cache_dtype,
     entries_from_rows,
     fingerprint_bytes,
     read_entry,
     scan_file,
+    stored_dtype,
 )
 
 UNNAMED = b"ferrox_kv:unnamed model"    # the fingerprint of a save that gives none
@@ -56,8 +59,8 @@ def save_layers(caches: Sequence[Any], path: str | os.PathLike[str], *, fingerpr
     c0 = caches[0]
     n = c0.seq_len
     for i, c in enumerate(caches):
-        if (c.n_kv_heads, c.head_dim, c.v_head_dim, c.dtype) != (
-                c0.n_kv_heads, c0.head_dim, c0.v_head_dim, c0.dtype):
+        if (c.n_kv_heads, c.head_dim, c.v_head_dim, stored_dtype(c)) != (
+                c0.n_kv_heads, c0.head_dim, c0.v_head_dim, stored_dtype(c0)):
             raise ValueError(f"layer {i} has another geometry or dtype than layer 0")
         if c.seq_len != n:
             raise ValueError(f"layer {i} holds {c.seq_len} positions, layer 0 {n}: one "
@@ -72,7 +75,8 @@ def save_layers(caches: Sequence[Any], path: str | os.PathLike[str], *, fingerpr
             raise ValueError(f"tokens must hold one id per position ({n}; or {n + 1}, "
                              f"generate's output), got {len(toks)}")
         toks = toks[:n]
-    g = Geometry(n, len(caches), c0.n_kv_heads, c0.head_dim, c0.v_head_dim, c0.dtype).check()
+    g = Geometry(n, len(caches), c0.n_kv_heads, c0.head_dim, c0.v_head_dim,
+                 stored_dtype(c0)).check()
     rows = [c._stored() for c in caches]
     entries = entries_from_rows(g, toks, [r[0] for r in rows], [r[1] for r in rows])
     return save_file(path, g, fp, entries, flags=FLAG_NO_TOKENS if tokens is None else 0)
@@ -129,18 +133,30 @@ def reserved(max_seq_len: int | None, n: int) -> int:
     return n if max_seq_len is None else max(max_seq_len, n)
 
 
+def check_pool_dtype(g: Geometry, pool: Any) -> None:
+    """``StoreMismatch`` (field ``dtype``) unless ``pool`` stores rows as the
+    file does: its dtype, and for int4 its rotation."""
+    if stored_dtype(pool) != g.dtype:
+        raise StoreMismatch("dtype", f"the file's rows are {g.dtype}, the pool stores "
+                                     f"{stored_dtype(pool)} ({INT4_PLAIN}: int4 without the "
+                                     "rotation, a pool with rotate=False)")
+
+
 def new_layer(g: Geometry, pool: Any, max_seq_len: int | None, k: np.ndarray, v: np.ndarray):
-    """A cache holding one layer's rows: contiguous, or on ``pool`` (its
-    geometry and dtype must match: ``ValueError``), reserving
+    """A cache holding one layer's rows: contiguous (the file's dtype and
+    rotation), or on ``pool`` (its geometry must match: ``ValueError``; its
+    dtype and rotation: ``StoreMismatch``, field ``dtype``), reserving
     max(max_seq_len, the rows)."""
     from ferrox_kv import KvCache
     cap = reserved(max_seq_len, g.block_size)
+    dtype, rotate = as_cache_dtype(g.dtype)
     if pool is None:
         c = KvCache.with_capacity(g.n_kv_heads, g.head_dim, cap, v_head_dim=g.v_head_dim,
-                                  dtype=g.dtype)
+                                  dtype=dtype, rotate=rotate)
     else:
+        check_pool_dtype(g, pool)
         c = KvCache.with_pool(g.n_kv_heads, g.head_dim, pool, cap, v_head_dim=g.v_head_dim,
-                              dtype=g.dtype)
+                              dtype=dtype)
     try:
         c._extend_stored(k, v)
     except BaseException:

@@ -87,6 +87,20 @@ def row_bytes(n_kv_heads: int, head_dim: int, dtype: str) -> int:
 INT4_PLAIN = "int4.norot"
 
 
+def stored_dtype(obj: Any) -> str:
+    """The dtype name a file gives the rows of ``obj`` (a pool or a cache):
+    its dtype attribute's (float32 where it has none), ``INT4_PLAIN`` for
+    int4 without the rotation."""
+    dtype = str(getattr(obj, "dtype", "float32"))
+    return INT4_PLAIN if dtype == "int4" and not getattr(obj, "rotate", True) else dtype
+
+
+def as_cache_dtype(dtype: str) -> tuple[str, bool | None]:
+    """The (dtype, rotate) arguments of a cache storing a file's rows of
+    ``dtype`` (a name ``stored_dtype`` gives)."""
+    return ("int4", False) if dtype == INT4_PLAIN else (dtype, None)
+
+
 class Geometry(NamedTuple):
     """What an entry's bytes mean: the pool's block size and head shapes, the
     layer count of one entry, the storage dtype's name and its row sizes."""
@@ -119,11 +133,8 @@ class Geometry(NamedTuple):
     def of_pool(cls, pool: Any, n_layers: int) -> "Geometry":
         """The geometry of ``n_layers``-layer entries of ``pool`` (its dtype
         attribute's name, float32 where it has none)."""
-        dtype = getattr(pool, "dtype", "float32")
-        if dtype == "int4" and not getattr(pool, "rotate", True):
-            dtype = INT4_PLAIN
         return cls(pool.block_size, n_layers, pool.n_kv_heads, pool.head_dim,
-                   pool.v_head_dim, str(dtype)).check()
+                   pool.v_head_dim, stored_dtype(pool)).check()
 
     def check(self) -> "Geometry":
         for name in ("block_size", "n_layers", "n_kv_heads", "head_dim", "v_head_dim"):
