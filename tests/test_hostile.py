@@ -234,6 +234,45 @@ def test_push_and_extend_from_the_pools_own_blocks(dtype):
     np.testing.assert_array_equal(c.v.reshape(-1, W), expect + 1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_windowed_cache_extended_from_its_own_rows_while_it_slides(dtype):
+    """The append that grows a contiguous windowed cache moves its rows from
+    the window on into a new buffer and frees the old one: a source in the
+    old buffer is read first."""
+    c = KvCache(H, D, dtype=dtype, window=5)
+    rows = np.arange(70 * W, dtype=np.float32).reshape(70, W)
+    c.extend(rows[:40], -rows[:40])         # capacity 80
+    c.extend(rows[40:], -rows[40:])
+    first, n = c.first_pos, c.seq_len
+    k, v = c._views()                       # the held rows, in the buffer the append replaces
+    c.extend(k, v)
+    expect = np.concatenate([rows, rows[first:n]])
+    assert c.first_pos > first
+    np.testing.assert_array_equal(c.k.reshape(-1, W), expect[c.first_pos:])
+    np.testing.assert_array_equal(c.v.reshape(-1, W), -expect[c.first_pos:])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_windowed_pooled_cache_extended_from_the_block_it_gives_back(dtype):
+    """A windowed append gives the blocks before the window back and takes
+    blocks in one step, possibly the same ones: a source in such a block is
+    read before any row is written."""
+    pool = KvBlockPool(4, 8, H, D, dtype=dtype)
+    c = KvCache.with_pool(H, D, pool, 1000, window=3)        # 3 blocks
+    rows = np.arange(12 * W, dtype=np.float32).reshape(12, W)
+    c.extend(rows, rows + 1)
+    hog = pool.allocate(pool.free_blocks)                     # only its own blocks to recycle
+    gone = c.block_table[0]
+    src_k, src_v = pool.key_blocks[gone], pool.value_blocks[gone]
+    c.extend(src_k, src_v)                                    # block `gone` leaves the window
+    expect = np.concatenate([rows, rows[:4]])
+    assert c.first_pos > 0 and pool.free_blocks == 0
+    np.testing.assert_array_equal(c.k.reshape(-1, W), expect[c.first_pos:])
+    np.testing.assert_array_equal(c.v.reshape(-1, W), expect[c.first_pos:] + 1)
+    pool.free(hog)
+    pool.check()
+
+
 # -- 4-6. fork while other threads import, log, churn caches, under gc pressure --
 
 _FORK_UNDER_GC = r"""
