@@ -501,9 +501,9 @@ def test_pools_publish_and_hit_across_the_nodes_of_a_redis_cluster(cluster):
 
 # -- a pool with the store attached: write-through, read-through ----------------------
 
-def _attached(server, total=64, dtype="float32", **kw):
+def _attached(server, total=64, dtype="float32", rotate=None, **kw):
     from support.pools import store_pool
-    pool = store_pool(total, dtype)
+    pool = store_pool(total, dtype, rotate=rotate)
     pool.attach(RedisPrefixStore(server.url, namespace="pool", fingerprint=FP, **kw))
     return pool
 
@@ -511,7 +511,7 @@ def _attached(server, total=64, dtype="float32", **kw):
 SYS_PROMPT = list(range(300, 320))                  # 5 blocks of 4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
 def test_publish_writes_through_and_a_local_miss_reads_through(server, dtype):
     from support.pools import lookup_rows, publish_seq
     writer = _attached(server, dtype=dtype)
@@ -531,6 +531,27 @@ def test_publish_writes_through_and_a_local_miss_reads_through(server, dtype):
     publish_seq(part, SYS_PROMPT[:12], seed=7)
     assert lookup_rows(part, SYS_PROMPT + [0])[0] == 20
     part.check()
+
+
+def test_int4_entries_reach_only_readers_of_their_rotation(server):
+    """Rotated and plain int4 rows are two dtypes in the store's keys: a
+    reader of the other rotation misses (and takes no block), one of the
+    same rotation hits with the writer's rows."""
+    from support.pools import lookup_rows, publish_seq
+    for rotate, other, prompt in ((None, False, SYS_PROMPT), (False, None, SYS_PROMPT[::-1])):
+        writer = _attached(server, dtype="int4", rotate=rotate)
+        want = publish_seq(writer, prompt + [1, 2, 3], seed=7)
+        miss = _attached(server, dtype="int4", rotate=other)
+        assert lookup_rows(miss, prompt + [9, 9])[0] == 0
+        s = miss.stats()
+        assert s["store_hits"] == 0 and s["used_blocks"] == 0 and s["cached_blocks"] == 0
+        miss.check()
+        same = _attached(server, dtype="int4", rotate=rotate)
+        n, got = lookup_rows(same, prompt + [9, 9])
+        assert n == 20
+        for (gk, gv), (wk, wv) in zip(got, want):
+            assert np.array_equal(gk[:20], wk[:20]) and np.array_equal(gv[:20], wv[:20])
+        same.check()
 
 
 def test_attach_checks_its_arguments(server):
