@@ -303,7 +303,7 @@ TestInt4PlainCacheMachine = Int4PlainCacheMachine.TestCase
 TestInt8CacheMachine.settings = TestBFloat16CacheMachine.settings = settings(
     max_examples=30, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
-TestInt4CacheMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+TestInt4CacheMachine.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestInt4PlainCacheMachine.settings = settings(max_examples=10, stateful_step_count=30,
                                               deadline=None,
@@ -553,7 +553,7 @@ TestInt4WindowCacheMachine = Int4WindowCacheMachine.TestCase
 TestWindowCacheMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 TestInt8WindowCacheMachine.settings = TestInt4WindowCacheMachine.settings = settings(
-    max_examples=20, stateful_step_count=30, deadline=None,
+    max_examples=15, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -718,5 +718,5 @@ class Int4SharingMachine(SharingMachine):
 
 
 TestInt4SharingMachine = Int4SharingMachine.TestCase
-TestInt4SharingMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
+TestInt4SharingMachine.settings = settings(max_examples=20, stateful_step_count=40, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
