@@ -68,9 +68,9 @@ cdef list _window_each(object window, Py_ssize_t count, object max_chunk, object
                          "sequence gives one window (or None) per cache")
     cdef list out = []
     for i, w in enumerate(entries):
-        out.append(0 if w is None else _count(w, f"window[{i}]", 1))
+        out.append(0 if w is None else _positions(w, f"window[{i}]"))
     if max_chunk is not None:
-        _count(max_chunk, "max_chunk", 1)
+        _positions(max_chunk, "max_chunk")
     if tokens is not None:
         for i, w in enumerate(out):
             if w:
