@@ -259,19 +259,20 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
     _check_pool_geometry(proto, pool)
     cdef Pool* p = pool.p
     cdef Py_ssize_t bs = p.block_size, full = max(_blocks_for(max_len, bs), 1), i, m_max = 0
-    cdef Py_ssize_t m = 0, nb, per, total = 0, at = 0, win = 0, mc
+    cdef Py_ssize_t m = 0, nb, per, each, total = 0, at = 0, win = 0, mc
     cdef list wins = _window_each(window, count, max_chunk, tokens)
     if wins is None:
         win = _window_arg(window, max_chunk, tokens, bs)
-        wins = [win] * count
     elif count and all(w == wins[0] for w in wins):
         win = wins[0]                  # one window for all: the uniform path below
+        wins = None
     mc = _count(max_chunk, "max_chunk", 1) if max_chunk is not None else bs
-    # per cache: its blocks; uniform (every cache the same window) keeps the
-    # prefix lookup's layout, one stride per cache
-    cdef list pers = [_reserved_blocks(full, w, mc, bs) for w in wins]
-    cdef bint uniform = all(w == win for w in wins)
-    per = pers[0] if count else full
+    # uniform (every cache the same window: ``each`` blocks, nothing sized
+    # by count before the pool says it fits) keeps the prefix lookup's
+    # layout, one stride per cache; else ``pers``, each cache's blocks
+    cdef bint uniform = wins is None
+    each = _reserved_blocks(full, win, mc, bs)
+    cdef list pers = None if uniform else [_reserved_blocks(full, w, mc, bs) for w in wins]
     cdef int32_t salt_id = 0
     cdef list out = []
     cdef KvCache c
@@ -296,11 +297,16 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         raise ValueError("salt= goes with tokens=")
     if count == 0:
         return out
-    for i in range(count):             # before sizing memory, before any store read
-        total += <Py_ssize_t>pers[i]
-        if total > p.total:
-            total = sum(pers)
-            raise KvPoolExhausted(total, pool_refuse(p))
+    # before sizing memory, before any store read
+    if uniform:
+        if count > p.total // each:
+            raise KvPoolExhausted(each * <object>count, pool_refuse(p))
+        total = each * count
+    else:
+        for i in range(count):
+            total += <Py_ssize_t>pers[i]
+            if total > p.total:
+                raise KvPoolExhausted(sum(pers), pool_refuse(p))
     # blocks missing here are read through the store only while the whole
     # reservation fits in the free blocks without counting any sharing: a
     # request refused (for good or for now) never fetched, imported or evicted
@@ -309,7 +315,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         store.before_lookup(pool, toks[:min(m_max, p.total) * bs], salt, count)
     if m_max > p.total:
         m_max = p.total
-    nb = max(per, m_max)
+    nb = max(each, m_max)
     for i in range(count):                 # tables first: only MemoryError can fail
         c = KvCache.__new__(KvCache)
         c._copy_geometry(proto)
@@ -329,7 +335,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
                 prefix_keys(tp, m_max, bs, <int32_t>count, salt_id, keys)
             if uniform:
                 rc = pool_reserve(p, keys if lookup else NULL, tp, m_max, <int32_t>count,
-                                  salt_id, per, ids, nb, scratch, &m, &r)
+                                  salt_id, each, ids, nb, scratch, &m, &r)
             else:
                 rc = pool_reserve(p, NULL, NULL, 0, 1, 0, total, ids, total, scratch, &m, &r)
         if rc == FX_EXHAUSTED:
@@ -339,7 +345,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
         for i in range(count):
             c = <KvCache>out[i]
             if uniform:
-                per = max(<Py_ssize_t>pers[i], m)
+                per = max(each, m)
                 memcpy(c.c.table, ids + i * nb, <size_t>per * sizeof(int32_t))
                 c.c.len = m * bs
                 c.c.shared_upto = m
@@ -351,7 +357,7 @@ cdef list _new_pooled(Py_ssize_t count, n_kv_heads, head_dim, v_head_dim,
             c.c.pool = p
             c.c.n_blocks = per
             c.c.cap = per * bs
-            c.c.window = <Py_ssize_t>wins[i]
+            c.c.window = win if uniform else <Py_ssize_t>wins[i]
             c.c.resv = per if c.c.window else 0
             cc = &c.c
             pool_link(p, &cc, 1)

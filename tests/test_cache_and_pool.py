@@ -383,8 +383,9 @@ def test_with_pool_many_reserves_every_cache_or_none(make_rows):
         KvCache.with_pool_many(1, 2, 3, pool, 1)
     with pytest.raises(ValueError, match="count"):
         KvCache.with_pool_many(-1, 2, 2, pool, 1)
-    with pytest.raises(KvPoolExhausted):
+    with pytest.raises(KvPoolExhausted) as ei:     # refused before anything is sized by count
         KvCache.with_pool_many(10**9, 2, 2, pool, 1)
+    assert ei.value.requested == 10**9
     assert pool.free_blocks == 1
     del caches, c
     import gc
