@@ -77,8 +77,6 @@ static inline FX_UNUSED int fx_cpu_level(void)
 #endif
 }
 static inline FX_UNUSED int fx_cpu_v3(void) { return fx_cpu_level() >= 3; }
-
-
 #if defined(__GNUC__) || defined(__clang__)
 #define FX_NEG_INF (-__builtin_inff())
 #else
@@ -226,17 +224,13 @@ typedef uint8_t fxa_v8ubu __attribute__((vector_size(8), aligned(1), may_alias))
 #endif
 
 /* 16-float vectors: AVX-512, built only into code for x86-64-v4
-   (_attn_v4.c) or a build for AVX-512.  Loads as above, 16 values; the
-   float16 ones join two 8-value conversions.  fxa16_fold8: to 8 lanes,
-   the same lane sums. */
+   (_attn_v4.c) or a build for AVX-512.  Loads as above, 16 values.
+   fxa16_fold8: to 8 lanes, the same lane sums. */
 #if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12) && (FX_ATTN_CLONES || defined(__AVX512F__))
 #define FXA_HAVE_W16 1
 typedef float fxa_v16 __attribute__((vector_size(64)));
 typedef float fxa_v16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t fxa_v16i __attribute__((vector_size(64)));
-typedef int16_t fxa_v16w __attribute__((vector_size(32)));
-typedef uint16_t fxa_v16h __attribute__((vector_size(32), aligned(1), may_alias));
-typedef int8_t fxa_v16b __attribute__((vector_size(16), aligned(1), may_alias));
 #define fxa16_load(p) ((fxa_v16)*(const fxa_v16u *)(const void *)(p))
 #define fxa16_store(p, v) ((void)(*(fxa_v16u *)(void *)(p) = (v)))
 #define fxa16_splat(x) __extension__({                                                           \
@@ -245,11 +239,33 @@ typedef int8_t fxa_v16b __attribute__((vector_size(16), aligned(1), may_alias));
 #define fxa16_fold8(v) FX_FOLD(fxa_v16, fxa_v8, v)
 #define FX_JOIN16(lo, hi) __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define fxa16_load_f32(p) fxa16_load(p)
-#define fxa16_load_bf16(p) ((fxa_v16)(__builtin_convertvector(*(const fxa_v16h *)(const void *)(p), fxa_v16i) << 16))
-#define fxa16_load_i8(p, sc)                                                                                    \
-    (__builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const fxa_v16b *)(const void *)(p), \
-                                                                             fxa_v16w), fxa_v16i), fxa_v16) *    \
-     fxa16_splat(sc))
+/* The widening loads below are single AVX-512 instructions (vpmovsxbd,
+   vpmovzxbd, vpmovzxwd, vcvtph2ps on 16 lanes): gcc 12 turns the same
+   conversions written as vector casts into 8-lane steps joined by inserts,
+   so gcc gets the builtins; clang makes one instruction of each cast. */
+typedef char fxa_v16c __attribute__((vector_size(16)));
+typedef char fxa_v16cu __attribute__((vector_size(16), aligned(1), may_alias));
+typedef short fxa_v16hs __attribute__((vector_size(32)));
+typedef short fxa_v16hsu __attribute__((vector_size(32), aligned(1), may_alias));
+#if defined(__clang__)
+typedef signed char fxa_v16sc __attribute__((vector_size(16)));
+typedef unsigned char fxa_v16uc __attribute__((vector_size(16)));
+typedef unsigned short fxa_v16uh __attribute__((vector_size(32)));
+#define fxa16_sx8(b) __builtin_convertvector((fxa_v16sc)(b), fxa_v16i)
+#define fxa16_zx8(b) __builtin_convertvector((fxa_v16uc)(b), fxa_v16i)
+#define fxa16_zx16(h) __builtin_convertvector((fxa_v16uh)(h), fxa_v16i)
+#define fxa16_load_f16c(p) FX_JOIN16(fxa_load_f16c(p), fxa_load_f16c((p) + 16))
+#else
+#define fxa16_sx8(b) ((fxa_v16i)__builtin_ia32_pmovsxbd512_mask((b), (fxa_v16i){0}, (unsigned short)0xffff))
+#define fxa16_zx8(b) ((fxa_v16i)__builtin_ia32_pmovzxbd512_mask((b), (fxa_v16i){0}, (unsigned short)0xffff))
+#define fxa16_zx16(h) ((fxa_v16i)__builtin_ia32_pmovzxwd512_mask((h), (fxa_v16i){0}, (unsigned short)0xffff))
+#define fxa16_load_f16c(p) \
+    ((fxa_v16)__builtin_ia32_vcvtph2ps512_mask(*(const fxa_v16hsu *)(const void *)(p), fxa16_splat(0.0f), \
+                                               (unsigned short)0xffff, 4))
+#endif
+#define fxa16_load_bf16(p) ((fxa_v16)(fxa16_zx16(*(const fxa_v16hsu *)(const void *)(p)) << 16))
+#define fxa16_load_i8(p, sc) \
+    (__builtin_convertvector(fxa16_sx8(*(const fxa_v16cu *)(const void *)(p)), fxa_v16) * fxa16_splat(sc))
 typedef uint8_t fxa_v16ub __attribute__((vector_size(16)));
 typedef uint8_t fxa_v16ubu __attribute__((vector_size(16), aligned(1), may_alias));
 /* int4: the 16 values at value offset e (a multiple of 16), as fxa_load_i4 */
@@ -257,10 +273,8 @@ typedef uint8_t fxa_v16ubu __attribute__((vector_size(16), aligned(1), may_alias
     const size_t e16_ = (e);                                                                           \
     const fxa_v16ub b16_ = *(const fxa_v16ubu *)(const void *)((row) + (e16_ >> 5) * 16);              \
     const fxa_v16ub n16_ = (e16_ & 16) ? (fxa_v16ub)(b16_ >> 4) : (fxa_v16ub)(b16_ & 15);               \
-    __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(n16_, fxa_v16w), fxa_v16i) - 8, \
-                            fxa_v16) * fxa16_splat(sc); })
+    __builtin_convertvector(fxa16_zx8((fxa_v16c)n16_) - 8, fxa_v16) * fxa16_splat(sc); })
 #define fxa16_load_f16(p) FX_JOIN16(fxa_load_f16(p), fxa_load_f16((p) + 16))
-#define fxa16_load_f16c(p) FX_JOIN16(fxa_load_f16c(p), fxa_load_f16c((p) + 16))
 #else
 #define FXA_HAVE_W16 0
 #endif
