@@ -5,8 +5,9 @@
 #include "_attn_kernel.h"
 #include "_workers.h"
 
-/* The knobs of fx_attend_set_max_width and fx_attend_set_max_level. */
-static int fxa_max_width = 16, fxa_max_level = 4;
+/* The knobs of fx_attend_set_max_width, fx_attend_set_max_level and
+   fx_attend_set_vnni. */
+static int fxa_max_width = 16, fxa_max_level = 4, fxa_vnni = 1;
 #if defined(__GNUC__) || defined(__clang__)
 #define FXA_GET(knob) __atomic_load_n(&(knob), __ATOMIC_RELAXED)
 #define FXA_SWAP(knob, x) __atomic_exchange_n(&(knob), (x), __ATOMIC_RELAXED)
@@ -19,12 +20,26 @@ static int FXA_SWAP_(int *knob, int x) { const int old = *knob; *knob = x; retur
 
 FX_API int fx_attend_set_max_width(int w) { return FXA_SWAP(fxa_max_width, w >= 16 ? 16 : 8); }
 FX_API int fx_attend_set_max_level(int level) { return FXA_SWAP(fxa_max_level, level >= 4 ? 4 : level >= 3 ? 3 : 0); }
+FX_API int fx_attend_set_vnni(int on) { return FXA_SWAP(fxa_vnni, on != 0); }
 
 /* The level whose instantiation runs: the CPU's, capped by the knob. */
 static FX_UNUSED int fxa_level(void)
 {
     const int cpu = fx_cpu_level(), cap = FXA_GET(fxa_max_level);
     return cpu < cap ? cpu : cap;
+}
+
+/* int8 scores by VNNI: on a 16-float call, where the CPU has it and the
+   knob allows it. */
+static FX_UNUSED int fxa_use_vnni(void)
+{
+#if FX_ATTN_CLONES && FXA_HAVE_VNNI
+    return FXA_GET(fxa_vnni) && fx_cpu_vnni();
+#elif FXA_BASE_IDOT == 2 && FXA_HAVE_W16
+    return 1; /* a build for a CPU with VNNI: no other int8 instance at 16 floats */
+#else
+    return 0;
+#endif
 }
 
 FX_API size_t fx_attend_scratch_floats(const fx_attn_args *a) { return fxa_scratch_floats(a); }
@@ -47,7 +62,8 @@ FX_API void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, fl
 #if FX_ATTN_CLONES
 #if FXA_HAVE_W16
     if (fx_attend_width(a) == 16) {
-        fxa_attend_v4(kv, a, q, out, scratch);
+        if (kv->dtype == FX_I8 && fxa_use_vnni()) fxa_attend_v4_i8vnni(kv, a, q, out, scratch);
+        else fxa_attend_v4(kv, a, q, out, scratch);
         return;
     }
 #endif
@@ -113,6 +129,9 @@ FX_API const char *fx_attend_load_path(int dtype)
         return "float16: exact integer conversion";
     case FX_BF16: return "bfloat16: zero-extend, shift 16";
     case FX_I8:
+        if (fxa_use_vnni() && FXA_MAX_WIDTH() >= 16 && (!FX_ATTN_CLONES || fxa_level() >= 4))
+            return "int8: q.k as integers (query quantised, vpdpbusd where head dims are multiples of 64), "
+                   "p.V widen x group scale";
 #if FX_ATTN_CLONES && FXA_HAVE_I8DOT
         if (fxa_level() >= 3) return "int8: q.k as integers (query quantised, vpmaddubsw), p.V widen x group scale";
 #elif FXA_HAVE_I8DOT

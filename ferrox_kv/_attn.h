@@ -98,6 +98,11 @@ FX_API int fx_attend_set_max_width(int w);
    this CPU.  Returns the old level.  Same caveat as the width. */
 FX_API int fx_attend_set_max_level(int level);
 
+/* Whether int8 scores may use AVX-512 VNNI where the CPU has it (1, the
+   default) or must take the AVX2 integer tile (0): tests and benchmarks
+   compare the two.  Returns the old setting.  Same caveat as the width. */
+FX_API int fx_attend_set_vnni(int on);
+
 /* Which code path fx_attend runs on this CPU (for head dims that are
    multiples of 16; others run the 8-float path below it), and how it reads
    rows of dtype (NULL for an unknown dtype). */

@@ -29,7 +29,8 @@
  *     scale per vector, fxa_quantise_q), on every level and path, so the
  *     result never depends on which runs; where the level has AVX2
  *     (FXA_HAVE_I8DOT) the decode's scores are integer dot products of it
- *     with the stored K, exact in int32 (fxa_qk_tile_i8).
+ *     with the stored K, exact in int32 (fxa_qk_tile_i8; with AVX-512 VNNI,
+ *     fxa_qk_tile_vnni in an instance of its own).
  *   - Rows are walked in chunks of FX_ATTN_CHUNK described by per-row
  *     pointers, so contiguous and paged caches share one path and a chunk
  *     may straddle blocks.  Query vectors sharing a kv head are processed
@@ -261,6 +262,51 @@ FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const 
 #define FXA_HAVE_I8DOT 0
 #endif
 
+/* Integer q.k on AVX-512 VNNI (idot 2: fxa_attend_v4_i8vnni, or a build for
+   a CPU with it), int8 rows whose head dim is a multiple of 64: one
+   vpdpbusd dots 64 values, two 32-value groups, 4 products per int32 lane.
+   Its first operand is unsigned, so the query is stored biased (qu = qi +
+   128, fxa_quantise_q) and each row's 128 * (sum of k) is taken off by
+   starting the lane's sum at -128 * sum k: the int32 lanes equal those of
+   fxa_qk_tile_i8, exactly.  Lanes 0-7 hold the first group, weighed by its
+   K scale, lanes 8-15 the second; their float sums differ from the 8-lane
+   tile's in rounding order only. */
+#if FXA_HAVE_I8DOT && FXA_HAVE_W16
+#define FXA_HAVE_VNNI 1
+typedef int32_t fxa_v16iu __attribute__((vector_size(64), aligned(1), may_alias));
+FX_INLINE void fxa_qk_tile_vnni(const int T, const int R, const int8_t *qu, const float *qf, int hd,
+                                const char *const *k, const float *const *ks, size_t koff, size_t soff, float *s)
+{
+    const fxa_v16i zero = {0}, bias = zero + (int32_t)0x80808080u; /* 128 in each byte */
+    fxa_v16 acc[12];
+    fxa_v8 acc8[12];
+    float sum[12];
+    int t, r, j;
+    for (t = 0; t < 12; t++) acc[t] = fxa16_splat(0.0f);
+    for (j = 0; j < hd; j += 2 * FX_I8_GROUP)
+        for (r = 0; r < R; r++) {
+            const fxa_v16i kv = *(const fxa_v16iu *)(const void *)(k[r] + koff + (size_t)j);
+            const fxa_v16i neg = zero - __builtin_ia32_vpdpbusd_v16si(zero, bias, kv);
+            const float *s2 = ks[r] + soff + (size_t)(j / FX_I8_GROUP);
+            const fxa_v16 sc = FX_JOIN16(fxa_splat(s2[0]), fxa_splat(s2[1]));
+            for (t = 0; t < T; t++) {
+                const fxa_v16i qv = *(const fxa_v16iu *)(const void *)(qu + (size_t)t * hd + (size_t)j);
+                const fxa_v16i p = __builtin_ia32_vpdpbusd_v16si(neg, qv, kv);
+                acc[t * R + r] = fxa_fma(__builtin_convertvector(p, fxa_v16), sc, acc[t * R + r]);
+            }
+        }
+    for (t = 0; t < 12; t++) acc8[t] = fxa16_fold8(acc[t]);
+    fxa_hsum8x8(acc8, sum);
+    fxa_hsum4x8(acc8 + 8, sum + 8);
+    for (t = 0; t < T; t++)
+        for (r = 0; r < R; r++) s[t * FX_CS + r] = sum[t * R + r] * qf[t];
+}
+#else
+#define FXA_HAVE_VNNI 0
+#endif
+/* The VNNI tile runs for this call: int8 rows, a head dim it takes. */
+#define FXA_VNNI(idot, dt, hd) (FXA_HAVE_VNNI && (idot) == 2 && (dt) == FX_I8 && (hd) % 64 == 0)
+
 /* The query vectors an int8 cache reads (every level, every path, so that
    the result does not depend on which one runs): each vector x of head_dim
    raw values becomes qi = clamp(rint(x / sx), -127, 127), sx = max|x| /
@@ -270,8 +316,10 @@ FX_INLINE void fxa_qk_tile_i8(const int T, const int R, const int8_t *qi, const 
    inf times a finite K value or NaN makes them in SDPA.  All zero, or no
    value of magnitude 2^-119 or more (so that sx is a normal float, also
    where the thread flushes denormals): zeros, whose scores differ from the
-   exact ones by less than 2^-119 times |k|. */
-FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, int8_t *qi, float *qf)
+   exact ones by less than 2^-119 times |k|.  biased: qi holds qi + 128 as
+   unsigned bytes, for the VNNI tile. */
+FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, int8_t *qi, float *qf,
+                              const int biased)
 {
     uint32_t amax = 0;
     float sx;
@@ -284,7 +332,7 @@ FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, i
         const float fill = amax >= 0x7f800000u ? fx_u2f(0x7fc00000u) : 0.0f;
         for (d = 0; d < hd; d++) {
             qs[d] = fill;
-            qi[d] = 0;
+            qi[d] = (int8_t)(biased ? -128 : 0); /* 0, biased */
         }
         *qf = fill;
         return;
@@ -295,7 +343,7 @@ FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, i
         const float v = x[d] / sx, big = fx_u2f(0x4b400000u | (fx_f2u(v) & 0x80000000u));
         float rv = (v + big) - big;
         rv = rv > 127.0f ? 127.0f : rv < -127.0f ? -127.0f : rv;
-        qi[d] = (int8_t)(int32_t)rv;
+        qi[d] = (int8_t)((int32_t)rv ^ (biased ? -128 : 0)); /* biased: bit 7 flipped, qi + 128 */
         qs[d] = rv * sx * qscale;
     }
     *qf = sx * qscale;
@@ -394,6 +442,15 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
             ub = ub < r1 ? ub : r1;
             for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
                 float *s = sc + (size_t)i0 * FX_CS + rr;
+#if FXA_HAVE_VNNI
+                if (FXA_VNNI(idot, dt, hd)) {
+                    const int8_t *qt = qi + (size_t)i0 * hd;
+                    if (T == 4) fxa_qk_tile_vnni(4, 3, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    else if (T == 2) fxa_qk_tile_vnni(2, 6, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    else fxa_qk_tile_vnni(1, 12, qt, qf + i0, hd, c->k + rr, c->ks + rr, koff, soff, s);
+                    continue;
+                }
+#endif
 #if FXA_HAVE_I8DOT
                 if (idot) {
                     const int8_t *qt = qi + (size_t)i0 * hd;
@@ -657,7 +714,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                             fx_fwht(qv, hd, fx_hadamard_block(hd));
                             src = qv;
                         }
-                        if (FX_QUANT(dt)) fxa_quantise_q(src, hd, qscale, qv, qi + (size_t)i * hd, qf + i);
+                        if (FX_QUANT(dt)) fxa_quantise_q(src, hd, qscale, qv, qi + (size_t)i * hd, qf + i, FXA_VNNI(idot, dt, hd));
                         else for (d = 0; d < hd; d++) qv[d] = src[d] * qscale;
                         mm[i] = FX_NEG_INF;
                         ll[i] = 0.0f;
@@ -741,7 +798,9 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
    level (TARGET: its target attribute, or nothing), with one function per
    dtype at vector width W; f16: how it reads float16 (FXA_F16C or FX_F16);
    idot: 1 where int8 scores take the integer tile (FXA_HAVE_I8DOT, code
-   for x86-64-v3 and above), else 0. */
+   for x86-64-v3 and above), 2 where they take the VNNI tile (code for a
+   CPU with AVX-512 VNNI; head dims it does not take fall back to 1), else
+   0. */
 #define FXA_INSTANCE(TARGET, name, dt, W, idot)                                                        \
     TARGET FXA_NOINLINE static void name(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, \
                                          float *scratch)                                               \
@@ -765,8 +824,14 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
         }                                                                                              \
     }
 
-/* How a build without dispatch reads float16: by F16C where it targets it. */
+/* How a build without dispatch reads float16: by F16C where it targets it;
+   and int8 scores: by VNNI, or the AVX2 integer tile, where it targets them. */
 #define FXA_BASE_F16 (FXA_HAVE_F16C ? FXA_F16C : FX_F16)
+#if defined(__AVX512VNNI__)
+#define FXA_BASE_IDOT 2
+#else
+#define FXA_BASE_IDOT FXA_HAVE_I8DOT
+#endif
 
 /* The levels' entry points, same contract as fx_attend. */
 typedef void fxa_entry_fn(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
@@ -775,6 +840,7 @@ FX_API fxa_entry_fn fxa_attend_base;      /* _attn_base.c: always */
 FX_API fxa_entry_fn fxa_attend_v3;        /* _attn_v3.c */
 #if FXA_HAVE_W16
 FX_API fxa_entry_fn fxa_attend_v4;        /* _attn_v4.c */
+FX_API fxa_entry_fn fxa_attend_v4_i8vnni; /* _attn_v4.c: int8 rows, AVX-512 VNNI */
 #endif
 #elif FXA_HAVE_W16
 FX_API fxa_entry_fn fxa_attend_base16;    /* _attn_v4.c, a build for AVX-512 */

@@ -96,6 +96,7 @@ cdef extern from "_attn.h" nogil:
     const char* fx_attend_load_path(int dtype)
     int fx_attend_set_max_width(int w)
     int fx_attend_set_max_level(int level)
+    int fx_attend_set_vnni(int on)
     int fx_attend_batch(const fx_kv* kvs, const Py_ssize_t* starts, Py_ssize_t n,
                         const fx_attn_args* a, const float* q, size_t q_stride, float* out,
                         size_t o_stride, int threads)

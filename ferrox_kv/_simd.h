@@ -77,6 +77,23 @@ static inline FX_UNUSED int fx_cpu_level(void)
 #endif
 }
 static inline FX_UNUSED int fx_cpu_v3(void) { return fx_cpu_level() >= 3; }
+/* AVX-512 VNNI (vpdpbusd) on a CPU at x86-64-v4; 0 without clones. */
+static inline FX_UNUSED int fx_cpu_vnni(void)
+{
+#if FX_ATTN_CLONES
+    static int v = -1;
+    int x = __atomic_load_n(&v, __ATOMIC_RELAXED);
+    if (x < 0) {
+        x = fx_cpu_level() >= 4 && __builtin_cpu_supports("avx512vnni");
+        __atomic_store_n(&v, x, __ATOMIC_RELAXED);
+    }
+    return x;
+#else
+    return 0;
+#endif
+}
+
+
 #if defined(__GNUC__) || defined(__clang__)
 #define FX_NEG_INF (-__builtin_inff())
 #else

@@ -39,6 +39,16 @@ def _set_attend_max_level(int level):
     return fx_attend_set_max_level(level)
 
 
+def _set_attend_vnni(on):
+    """Whether int8 attention may score with AVX-512 VNNI (vpdpbusd) where
+    the CPU has it (True, the default) or must take the AVX2 integer tile,
+    so a test compares the two on one CPU; returns the old setting. Call it
+    while no other thread attends."""
+    if not isinstance(on, bool):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    return bool(fx_attend_set_vnni(1 if on else 0))
+
+
 def _take_give_loop(KvBlockPool pool not None, Py_ssize_t iters, Py_ssize_t batch):
     """Take and give back ``batch`` blocks ``iters`` times, in C, without the
     GIL. Returns how many takes were refused (pool benchmark)."""

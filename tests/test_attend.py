@@ -525,6 +525,54 @@ def test_both_vector_widths_match_the_reference(attend_width, h, nh, d, vd, t, q
                                  window=window)[0])
 
 
+def _cpu_has_vnni():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512_vnni " in f.read()
+    except OSError:
+        return False
+
+
+# head dims that are multiples of 64 take the VNNI tile, 96 and 80 the
+# AVX2 one in either setting; q_len 3 x 8 query heads is an unpacked pass
+@pytest.mark.parametrize("h,nh,d,t,q_len,bs", [
+    (8, 32, 128, 300, 1, 16),
+    (1, 8, 64, 77, 3, 7),
+    (2, 8, 192, 60, 1, 5),
+    (4, 4, 96, 90, 1, 1),
+    (2, 4, 80, 33, 2, 16),
+])
+def test_int8_scores_by_vnni_equal_those_of_the_avx2_integer_tile(h, nh, d, t, q_len, bs):
+    # both tiles take the same exact int32 group sums; only the order of the
+    # float sum over a row's scaled groups differs
+    k, v = _data(t, h, d, d, seed=t, scale=4.0)
+    c = _cache("pooled-shuffled", h, d, d, t, bs, dtype="int8")
+    c.extend(k, v)
+    q = np.random.default_rng(t).standard_normal((q_len, nh, d)).astype(np.float32)
+    old = _core._set_attend_vnni(False)
+    try:
+        avx2, avx2_path = c.attend(q), _core.simd_path("int8")
+        assert _core._set_attend_vnni(True) is False
+        vnni, vnni_path = c.attend(q), _core.simd_path("int8")
+    finally:
+        _core._set_attend_vnni(old)
+    ref = reference(_st(k, "int8"), _st(v, "int8"), _q(q, "int8"))
+    _check(avx2, ref)
+    _check(vnni, ref)
+    np.testing.assert_allclose(vnni, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max())
+    assert "vpdpbusd" not in avx2_path
+    dispatches = "x86-64-v4" in _core.simd_path() and _core.build_info()["compiler"].startswith("gcc")
+    assert ("vpdpbusd" in vnni_path) == (dispatches and _cpu_has_vnni())
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, "yes"])
+def test_the_vnni_hook_takes_a_bool_only_and_changes_nothing_else(bad):
+    before = _core.simd_path("int8")
+    with pytest.raises(TypeError, match="on must be a bool"):
+        _core._set_attend_vnni(bad)
+    assert _core.simd_path("int8") == before
+
+
 @settings(max_examples=60, deadline=None)
 @given(h=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 8]),
        d=st.sampled_from([1, 3, 8, 20, 64]), vd=st.sampled_from([1, 5, 16, 64]),

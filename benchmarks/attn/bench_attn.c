@@ -160,21 +160,22 @@ static void exp_bench(void)
 }
 
 /* Every dtype at one context, paged (bs 16, shuffled), decode: per dtype a
-   read floor over its stored bytes and fx_attend (clones), all 8 variants
-   interleaved in every round.  Reports attend/floor per dtype and each
-   dtype's attend against float32's. */
+   read floor over its stored bytes and fx_attend (clones), and int8 again
+   with VNNI off (fx_attend_set_vnni), all 10 variants interleaved in every
+   round.  Reports attend/floor per dtype and each dtype's attend against
+   float32's. */
 static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
 {
-    static const char *dn[4] = {"float32", "float16", "bfloat16", "int8"};
+    static const char *dn[5] = {"float32", "float16", "bfloat16", "int8", "int8 -vnni"};
     const int bs = 16, nblocks = (int)(ctx / bs);
     const size_t row = (size_t)Hkv * hd;
     float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
     float *q = malloc(sizeof(float) * (size_t)H * hd), *out = malloc(sizeof(float) * (size_t)H * hd), *sc;
     int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
     char *ks[4], *vs[4];
-    fx_kv kv[4];
+    fx_kv kv[5];
     fx_attn_args a;
-    double best[8];
+    double best[10];
     size_t i;
     int r, w, reps, dt;
     for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
@@ -197,8 +198,9 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
         kv[dt].k_block = kv[dt].v_block = (size_t)bs * rb; kv[dt].k_row = kv[dt].v_row = rb;
         kv[dt].len = ctx; kv[dt].dtype = dt;
     }
+    kv[4] = kv[3];
     sc = malloc(sizeof(float) * clones_scratch(&a));
-    for (w = 0; w < 8; w++) best[w] = 1e30;
+    for (w = 0; w < 10; w++) best[w] = 1e30;
     {
         double t0 = now();
         clones_attend(&kv[0], &a, q, out, sc);
@@ -207,8 +209,9 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
         if (reps > 2000) reps = 2000;
     }
     for (r = 0; r < rounds; r++)
-        for (int wi = 0; wi < 8; wi++) {
-            const int w2 = (wi + r) % 8, d2 = w2 / 2; /* even: floor, odd: attend */
+        for (int wi = 0; wi < 10; wi++) {
+            const int w2 = (wi + r) % 10, d2 = w2 / 2; /* even: floor, odd: attend */
+            const int vnni = fx_attend_set_vnni(d2 != 4);
             double t0 = now(), dtm;
             int j;
             for (j = 0; j < reps; j++) {
@@ -216,14 +219,18 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
                 else clones_attend(&kv[d2], &a, q, out, sc);
             }
             dtm = (now() - t0) / reps;
+            fx_attend_set_vnni(vnni);
             if (dtm < best[w2]) best[w2] = dtm;
         }
     printf("dtypes: paged decode ctx %td H %d Hkv %d hd %d bs 16 shuffled, best of %d rounds\n", ctx, H, Hkv, hd, rounds);
-    for (dt = 0; dt < 4; dt++) {
-        const double mb = 2.0 * (double)fx_row_bytes(Hkv, hd, dt) * (double)ctx / 1048576.0;
-        printf("   %-8s %6.2f MiB  floor %8.1f us  attend %8.1f us  attend/floor %5.2f  attend vs float32 %5.2f  (%s)\n",
+    for (dt = 0; dt < 5; dt++) {
+        const int sdt = dt < 4 ? dt : FX_I8;
+        const double mb = 2.0 * (double)fx_row_bytes(Hkv, hd, sdt) * (double)ctx / 1048576.0;
+        const int vnni = fx_attend_set_vnni(dt != 4);
+        printf("   %-10s %6.2f MiB  floor %8.1f us  attend %8.1f us  attend/floor %5.2f  attend vs float32 %5.2f  (%s)\n",
                dn[dt], mb, best[2 * dt] * 1e6, best[2 * dt + 1] * 1e6, best[2 * dt + 1] / best[2 * dt],
-               best[2 * dt + 1] / best[1], clones_load_path(dt));
+               best[2 * dt + 1] / best[1], clones_load_path(sdt));
+        fx_attend_set_vnni(vnni);
     }
     fflush(stdout);
     for (dt = 0; dt < 4; dt++) { free(ks[dt]); free(vs[dt]); }

@@ -395,13 +395,13 @@ int main(void)
     char what[256];
     size_t gi, di, bi, li;
     tcase tc;
-    int dt, sub, wpass, n_names = 0;
-    const char *names[4];
+    int dt, sub, wpass, n_names = 0, i8_only = 0;
+    const char *names[5], *i8names[5];
     fx_attn_args probe;
 #ifdef TEST_ALL_LEVELS
-    static const int paths[][2] = {{4, 16}, {3, 8}, {0, 8}}; /* (max level, max width) */
+    static const int paths[][3] = {{4, 16, 1}, {4, 16, 0}, {3, 8, 1}, {0, 8, 1}}; /* (max level, max width, VNNI) */
 #else
-    static const int paths[][2] = {{4, 16}, {3, 8}};
+    static const int paths[][3] = {{4, 16, 1}, {4, 16, 0}, {3, 8, 1}};
 #endif
 
     printf("simd path: %s; %s, %s, %s, %s, %s\n", fx_attend_simd_path(), fx_attend_load_path(FX_F32),
@@ -413,8 +413,9 @@ int main(void)
     n_fail += conv_tests();
 
     /* every code path this build can run on this CPU runs every case: the
-       levels' instantiations (x86-64-v4 on 16-float vectors, v3, and with
-       TEST_ALL_LEVELS the baseline too) and, without dispatch, both widths */
+       levels' instantiations (x86-64-v4 on 16-float vectors, with and
+       without VNNI for int8, v3, and with TEST_ALL_LEVELS the baseline too)
+       and, without dispatch, both widths */
 #ifdef TEST_SPLIT
 #define N_PASSES ((int)(sizeof paths / sizeof paths[0]) + 1)
 #else
@@ -429,19 +430,26 @@ int main(void)
         fx_attend_set_split(0, 1);
         fx_attend_set_max_level(paths[0][0]);
         fx_attend_set_max_width(paths[0][1]);
+        fx_attend_set_vnni(paths[0][2]);
+        i8_only = 0;
         printf("split over %d threads: %s\n", batch_threads, fx_attend_simd_path());
     } else {
         int k, seen = 0;
         fx_attend_set_max_level(paths[wpass][0]);
         fx_attend_set_max_width(paths[wpass][1]);
-        for (k = 0; k < n_names; k++) seen |= strcmp(names[k], fx_attend_simd_path()) == 0;
+        fx_attend_set_vnni(paths[wpass][2]);
+        for (k = 0; k < n_names; k++)
+            seen |= strcmp(names[k], fx_attend_simd_path()) == 0 && strcmp(i8names[k], fx_attend_load_path(FX_I8)) == 0;
         if (seen) continue;
-        names[n_names++] = fx_attend_simd_path();
-    printf("path: %s (16-float vectors where head dims allow: %s)\n", fx_attend_simd_path(),
-           fx_attend_width(&probe) == 16 ? "yes" : "no");
+        names[n_names] = fx_attend_simd_path();
+        i8names[n_names++] = fx_attend_load_path(FX_I8);
+        i8_only = !paths[wpass][2]; /* VNNI off changes int8 alone */
+    printf("path: %s (16-float vectors where head dims allow: %s)%s\n", fx_attend_simd_path(),
+           fx_attend_width(&probe) == 16 ? "yes" : "no", i8_only ? ", int8 only: VNNI off" : "");
     }
     /* the split pass: float32, int8 and rotated int4 */
-    for (dt = FX_F32; dt <= FX_I4H; dt = !batch_threads ? dt + 1 : dt == FX_F32 ? FX_I8 : dt == FX_I8 ? FX_I4H : FX_I4H + 1) {
+    for (dt = i8_only ? FX_I8 : FX_F32; dt <= (i8_only ? FX_I8 : FX_I4H);
+         dt = !batch_threads ? dt + 1 : dt == FX_F32 ? FX_I8 : dt == FX_I8 ? FX_I4H : FX_I4H + 1) {
     /* float32: every combination; the other dtypes: every third (each value of each axis still occurs) */
     sub = dt == FX_F32 ? 1 : 3;
 
