@@ -456,10 +456,11 @@ def attend_width(request):
     _core._set_attend_max_level(old_level)
 
 
-def _cpu_has_avx512():
+def _cpu_has(flag):
+    """Whether /proc/cpuinfo lists this CPU flag (False where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return " avx512bw " in f.read()
+            return f" {flag} " in f.read()
     except OSError:
         return False
 
@@ -471,7 +472,7 @@ def test_the_width_hook_names_the_path_and_refuses_other_widths():
         _core._set_attend_max_width(16)
         compiler = _core.build_info()["compiler"].split()
         builds_w16 = compiler[0] == "clang" or (compiler[0] == "gcc" and int(compiler[1].split(".")[0]) >= 12)
-        assert ("16-float" in _core.simd_path()) == (_cpu_has_avx512() and builds_w16
+        assert ("16-float" in _core.simd_path()) == (_cpu_has("avx512bw") and builds_w16
                                                       and "x86-64" in _core.simd_path())
         for bad in (0, 4, 12, 32):
             with pytest.raises(ValueError, match="width must be 8 or 16"):
@@ -525,14 +526,6 @@ def test_both_vector_widths_match_the_reference(attend_width, h, nh, d, vd, t, q
                                  window=window)[0])
 
 
-def _cpu_has_vnni():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512_vnni " in f.read()
-    except OSError:
-        return False
-
-
 # head dims that are multiples of 64 take the VNNI tile, 96 and 80 the
 # AVX2 one in either setting; q_len 3 x 8 query heads is an unpacked pass
 @pytest.mark.parametrize("h,nh,d,t,q_len,bs", [
@@ -562,7 +555,7 @@ def test_int8_scores_by_vnni_equal_those_of_the_avx2_integer_tile(h, nh, d, t, q
     np.testing.assert_allclose(vnni, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max())
     assert "vpdpbusd" not in avx2_path
     dispatches = "x86-64-v4" in _core.simd_path() and _core.build_info()["compiler"].startswith("gcc")
-    assert ("vpdpbusd" in vnni_path) == (dispatches and _cpu_has_vnni())
+    assert ("vpdpbusd" in vnni_path) == (dispatches and _cpu_has("avx512_vnni"))
 
 
 @pytest.mark.parametrize("bad", [1, 0, None, "yes"])
