@@ -129,6 +129,26 @@ def test_a_missing_model_dir_is_said_before_torch_is_imported(tmp_path):
     assert "torch imported: False" in out.stdout, out
 
 
+def test_serve_has_torchs_openmp_threads_wait_passively_unless_told_otherwise(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    d = S.make_model_dir(tmp_path / "m", hidden=32, heads=2, kv_heads=1)
+    code = ("import argparse, os, sys\nfrom ferrox_kv.serve.cli import add_arguments, load\n"
+            "assert 'torch' not in sys.modules\n"
+            "ap = argparse.ArgumentParser()\nadd_arguments(ap)\n"
+            f"load(ap.parse_args([{str(d)!r}, '--kv-gib', '0.001']))\n"
+            "print('policy', os.environ.get('OMP_WAIT_POLICY'))\n")
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given is not None:
+            env["OMP_WAIT_POLICY"] = given
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and f"policy {want}" in out.stdout, out
+
+
 def test_a_busy_port_is_refused_before_the_server_says_where_it_listens(tmp_path):
     import socket
     import subprocess
