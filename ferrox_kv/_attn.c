@@ -35,8 +35,8 @@ static FX_UNUSED int fxa_use_vnni(void)
 {
 #if FX_ATTN_CLONES && FXA_HAVE_VNNI
     return FXA_GET(fxa_vnni) && fx_cpu_vnni();
-#elif FXA_BASE_IDOT == 2 && FXA_HAVE_W16
-    return 1; /* a build for a CPU with VNNI: no other int8 instance at 16 floats */
+#elif FXA_BASE_VNNI
+    return FXA_GET(fxa_vnni);
 #else
     return 0;
 #endif
@@ -72,6 +72,10 @@ FX_API void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, fl
 #else /* one build: what the compiler targets */
 #if FXA_HAVE_W16
     if (fx_attend_width(a) == 16) {
+#if FXA_BASE_VNNI
+        if (kv->dtype == FX_I8 && fxa_use_vnni()) fxa_attend_base16_i8vnni(kv, a, q, out, scratch);
+        else
+#endif
         fxa_attend_base16(kv, a, q, out, scratch);
         return;
     }

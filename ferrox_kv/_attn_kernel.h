@@ -825,12 +825,13 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
     }
 
 /* How a build without dispatch reads float16: by F16C where it targets it;
-   and int8 scores: by VNNI, or the AVX2 integer tile, where it targets them. */
+   FXA_BASE_VNNI: whether it carries an int8 instance for AVX-512 VNNI (a
+   target with it, and a compiler that builds the VNNI tile). */
 #define FXA_BASE_F16 (FXA_HAVE_F16C ? FXA_F16C : FX_F16)
-#if defined(__AVX512VNNI__)
-#define FXA_BASE_IDOT 2
+#if defined(__AVX512VNNI__) && FXA_HAVE_VNNI && !FX_ATTN_CLONES
+#define FXA_BASE_VNNI 1
 #else
-#define FXA_BASE_IDOT FXA_HAVE_I8DOT
+#define FXA_BASE_VNNI 0
 #endif
 
 /* The levels' entry points, same contract as fx_attend. */
@@ -844,6 +845,9 @@ FX_API fxa_entry_fn fxa_attend_v4_i8vnni; /* _attn_v4.c: int8 rows, AVX-512 VNNI
 #endif
 #elif FXA_HAVE_W16
 FX_API fxa_entry_fn fxa_attend_base16;    /* _attn_v4.c, a build for AVX-512 */
+#if FXA_BASE_VNNI
+FX_API fxa_entry_fn fxa_attend_base16_i8vnni; /* _attn_v4.c: int8 rows, a build for AVX-512 VNNI */
+#endif
 #endif
 
 #endif /* FX_ATTN_KERNEL_H */

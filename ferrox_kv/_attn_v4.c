@@ -14,7 +14,14 @@ fxa_attend_v4_i8vnni(const fx_kv *kv, const fx_attn_args *a, const float *q, flo
     fxa_attend_body(kv, a, q, out, scratch, FX_I8, 16, 2);
 }
 #elif FXA_HAVE_W16
-FXA_ENTRY(, fxa_attend_base16, FXA_BASE_F16, FXA_BASE_IDOT, 16)
+FXA_ENTRY(, fxa_attend_base16, FXA_BASE_F16, FXA_HAVE_I8DOT, 16)
+#if FXA_BASE_VNNI
+FX_API void fxa_attend_base16_i8vnni(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out,
+                                     float *scratch)
+{
+    fxa_attend_body(kv, a, q, out, scratch, FX_I8, 16, 2);
+}
+#endif
 #else
 typedef int fxa_v4_not_built; /* ISO C: a translation unit declares something */
 #endif
