@@ -173,6 +173,7 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
 #define FXT_SPLAT fxa_splat
 #define FXT_LD FXA_LD
 #define FXT_FOLD8(v) (v)
+#define FXT_PIN(v) ((void)0)
 #include "_attn_tile.h"
 #if FXA_HAVE_W16
 #define FXT_W 16
@@ -182,6 +183,7 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
 #define FXT_SPLAT fxa16_splat
 #define FXT_LD FXA_LD16
 #define FXT_FOLD8 fxa16_fold8
+#define FXT_PIN(v) __asm__("" : "+v"(v))
 #include "_attn_tile.h"
 #define FXA_QK_TILE(W, ...) ((W) == 16 ? fxa_qk_tile_16(__VA_ARGS__) : fxa_qk_tile_8(__VA_ARGS__))
 #define FXA_QKT_TILE(W, ...) ((W) == 16 ? fxa_qkt_tile_16(__VA_ARGS__) : fxa_qkt_tile_8(__VA_ARGS__))
@@ -434,7 +436,10 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
         const ptrdiff_t iend = i1 + (h + 1) * nvg;
         ptrdiff_t i0;
         for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
-            const int T = FX_TILE_T(iend - i0), R = 12 / T;
+            /* 4 x 4 (16 accumulators) for the float tile on 16-float vectors
+               (32 registers); 4 x 3 for 8-float vectors (16 registers) and
+               the integer tiles */
+            const int T = FX_TILE_T(iend - i0), R = T == 4 && W == 16 && !idot ? 4 : 12 / T;
             const float *q = qs + (size_t)i0 * hd;
             int ua, ub, rr;
             fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
@@ -460,7 +465,8 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
                     continue;
                 }
 #endif
-                if (T == 4) FXA_QK_TILE(W, 4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                if (T == 4 && R == 4) FXA_QK_TILE(W, 4, 4, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
+                else if (T == 4) FXA_QK_TILE(W, 4, 3, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
                 else if (T == 2) FXA_QK_TILE(W, 2, 6, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
                 else FXA_QK_TILE(W, 1, 12, q, hd, c->k + rr, c->ks + rr, koff, soff, s, dt);
             }

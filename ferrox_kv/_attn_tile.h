@@ -6,6 +6,7 @@
  *                  unaligned float load and store and its broadcast
  *   FXT_LD         the row load of one dtype, as FXA_LD (W values)
  *   FXT_FOLD8(v)   an fxa_v8 whose lane sums equal v's (v itself for W = 8)
+ *   FXT_PIN(v)     keeps the vector variable v in a register (or nothing)
  * and undefines them at the end.  The functions are named fxa_*_<W>.  A
  * width of 16 needs head dims that are multiples of 16 to pay (a remainder
  * runs scalar), so fx_attend picks it only for those. */
@@ -13,28 +14,32 @@
 #define FXT_CAT(a, b) FXT_CAT_(a, b)
 #define FXT(name) FXT_CAT(name, FXT_W)
 
-/* s[t*FX_CS + r] = q_t . k_r for a T x R tile (T*R == 12); q_t = q + t*hd,
-   k_r = the head slice at value offset koff of row k[r] (int8 scales:
-   ks[r] + soff).  12 independent accumulators (8 would leave the FMA
-   latency exposed); each K vector is loaded once for the T queries. */
+/* s[t*FX_CS + r] = q_t . k_r for a T x R tile (T*R == 12, or 4 x 4);
+   q_t = q + t*hd, k_r = the head slice at value offset koff of row k[r]
+   (int8 scales: ks[r] + soff).  12 or 16 independent accumulators (8 would
+   leave the FMA latency exposed); each K vector is loaded once for the T
+   queries and each q vector once for the R rows (FXT_PIN holds it in a
+   register: left free, gcc folds the load into every FMA). */
 FX_INLINE void FXT(fxa_qk_tile)(const int T, const int R, const float *q, int hd, const char *const *k,
                                 const float *const *ks, size_t koff, size_t soff, float *s, const int dt)
 {
-    FXT_V acc[12], kr[12];
-    fxa_v8 acc8[12];
-    float sum[12];
+    FXT_V acc[16], kr[12];
+    fxa_v8 acc8[16];
+    float sum[16];
     int t, r, d = 0;
-    for (t = 0; t < 12; t++) acc[t] = FXT_SPLAT(0.0f);
+    for (t = 0; t < T * R; t++) acc[t] = FXT_SPLAT(0.0f);
     for (; d + FXT_W <= hd; d += FXT_W) {
         for (r = 0; r < R; r++) kr[r] = FXT_LD(dt, k[r], koff + d, FXA_SC(dt, ks, r, soff, d));
         for (t = 0; t < T; t++) {
-            const FXT_V qv = FXT_LOAD(q + (size_t)t * hd + d);
+            FXT_V qv = FXT_LOAD(q + (size_t)t * hd + d);
+            FXT_PIN(qv);
             for (r = 0; r < R; r++) acc[t * R + r] = fxa_fma(qv, kr[r], acc[t * R + r]);
         }
     }
-    for (t = 0; t < 12; t++) acc8[t] = FXT_FOLD8(acc[t]);
+    for (t = 0; t < T * R; t++) acc8[t] = FXT_FOLD8(acc[t]);
     fxa_hsum8x8(acc8, sum);
-    fxa_hsum4x8(acc8 + 8, sum + 8);
+    if (T * R == 16) fxa_hsum8x8(acc8 + 8, sum + 8);
+    else fxa_hsum4x8(acc8 + 8, sum + 8);
     for (; d < hd; d++)
         for (r = 0; r < R; r++) {
             const float kx = fxa_ld1(dt, k[r], koff + (size_t)d, FXA_SC(dt, ks, r, soff, d));
@@ -124,3 +129,4 @@ FX_INLINE void FXT(fxa_pv_tile)(const int T, float *o, int dv, const float *alph
 #undef FXT_SPLAT
 #undef FXT_LD
 #undef FXT_FOLD8
+#undef FXT_PIN
