@@ -80,7 +80,7 @@
 #define FX_ATTN_RGA 24
 #endif
 #ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
-#define FX_ATTN_RGC 8
+#define FX_ATTN_RGC 24
 #endif
 #if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
 #error "FX_ATTN_CHUNK must be a multiple of 8 in [8, 256]"
@@ -663,10 +663,9 @@ FX_INLINE float fxa_exp_scales(float scale, float *f)
        A  scores   for row groups of RGA rows: for kv heads: its tiles
        B  softmax  every query vector: chunk max, alpha, p, l
        C  p.V      for row groups of RGC rows: for kv heads: its tiles
-       K and V are read row after row across all heads, close to memory
-       order: the hardware prefetcher streams them, and a head's slices in
-       consecutive rows (4 KiB apart: same L1 sets) are never needed more
-       than a row group at a time.
+       K and V are read row group after row group across all heads, close
+       to memory order: the hardware prefetcher streams them, and a head's
+       slices of a row group are not needed after its tiles.
      more (prefill, MQA with G > 32)
        for kv heads: pack the chunk's K slice transposed and its V slice
        contiguously, then A (on the transposed K: no horizontal sums), B, C
