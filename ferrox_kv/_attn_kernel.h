@@ -82,6 +82,9 @@
 #ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
 #define FX_ATTN_RGC 24
 #endif
+#ifndef FX_ATTN_PREFETCH   /* 1: int8/int4 unpacked passes prefetch the next chunk's rows */
+#define FX_ATTN_PREFETCH 1
+#endif
 #if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
 #error "FX_ATTN_CHUNK must be a multiple of 8 in [8, 256]"
 #endif
@@ -155,6 +158,48 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
         c->v[i] = c->v[n - 1];
         c->ks[i] = c->ks[n - 1];
         c->vs[i] = c->vs[n - 1];
+    }
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define FXA_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#else
+#define FXA_PREFETCH_L2(p) ((void)(p))
+#endif
+
+/* Prefetches into L2 what the kernel reads of the int8 / int4 K and V rows
+   at positions [p0, p1): kv heads [g0, g0 + nh) of each, values and group
+   scales.  Issued a chunk ahead, so that rows from memory arrive while the
+   chunk before them computes.  Float rows are left to the hardware
+   prefetcher: for them the extra instructions cost more in cache than
+   they win out of it (benchmarks/NOTES.md). */
+FX_INLINE void fxa_prefetch_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t p0, ptrdiff_t p1, int g0, int nh,
+                                 const int dt)
+{
+    const size_t k0 = fx_value_bytes((size_t)g0 * (size_t)a->head_dim, dt);
+    const size_t k1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)a->head_dim, dt);
+    const size_t v0 = fx_value_bytes((size_t)g0 * (size_t)a->v_head_dim, dt);
+    const size_t v1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)a->v_head_dim, dt);
+    const size_t kvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->head_dim, dt);
+    const size_t vvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->v_head_dim, dt);
+    const size_t ks0 = kvals + 2 * (size_t)g0 * fx_i8_groups(a->head_dim), ks1 = ks0 + 2 * (size_t)nh * fx_i8_groups(a->head_dim);
+    const size_t vs0 = vvals + 2 * (size_t)g0 * fx_i8_groups(a->v_head_dim), vs1 = vs0 + 2 * (size_t)nh * fx_i8_groups(a->v_head_dim);
+    ptrdiff_t p;
+    size_t x;
+    for (p = p0; p < p1; p++) {
+        const char *k, *v;
+        if (!kv->table) {
+            k = (const char *)kv->k + (size_t)p * kv->k_row;
+            v = (const char *)kv->v + (size_t)p * kv->v_row;
+        } else {
+            const size_t blk = (size_t)kv->table[p / kv->block_size], o = (size_t)(p % kv->block_size);
+            k = (const char *)kv->k + blk * kv->k_block + o * kv->k_row;
+            v = (const char *)kv->v + blk * kv->v_block + o * kv->v_row;
+        }
+        for (x = k0; x < k1; x += 64) FXA_PREFETCH_L2(k + x);
+        for (x = v0; x < v1; x += 64) FXA_PREFETCH_L2(v + x);
+        for (x = ks0; x < ks1; x += 64) FXA_PREFETCH_L2(k + x);
+        for (x = vs0; x < vs1; x += 64) FXA_PREFETCH_L2(v + x);
     }
 }
 
@@ -664,8 +709,9 @@ FX_INLINE float fxa_exp_scales(float scale, float *f)
        B  softmax  every query vector: chunk max, alpha, p, l
        C  p.V      for row groups of RGC rows: for kv heads: its tiles
        K and V are read row group after row group across all heads, close
-       to memory order: the hardware prefetcher streams them, and a head's
-       slices of a row group are not needed after its tiles.
+       to memory order: the hardware prefetcher streams them (int8 / int4
+       rows are also prefetched a chunk ahead, see fxa_prefetch_rows), and
+       a head's slices of a row group are not needed after its tiles.
      more (prefill, MQA with G > 32)
        for kv heads: pack the chunk's K slice transposed and its V slice
        contiguously, then A (on the transposed K: no horizontal sums), B, C
@@ -748,9 +794,13 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                         }
                     }
                 if (!pack) {
-                    for (r = 0; r < n; r += FX_ATTN_RGA)
+                    for (r = 0; r < n; r += FX_ATTN_RGA) {
+                        const ptrdiff_t pf0 = c0 + FX_C + r, pf1 = pf0 + FX_ATTN_RGA;
+                        if (FX_ATTN_PREFETCH && FX_QUANT(dt) && pf0 <= c_last)
+                            fxa_prefetch_rows(kv, a, pf0, pf1 <= c_last ? pf1 : c_last + 1, g0, nh, dt);
                         fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
                                         r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, qi, qf, sc, fa, fb, dt, W, idot);
+                    }
                     for (i = 0; i < nv; i++)
                         fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
                     for (r = 0; r < n; r += FX_ATTN_RGC)
