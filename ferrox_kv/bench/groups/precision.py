@@ -8,6 +8,8 @@ Rows (slug: what, ratio of):
   precision.fit_bytes.<dt>     positions per layer in a 1 GiB pool (its bytes), of float32
   precision.attend.<dt>        decode attend at each context, of float32 attend on the same data
   precision.attend_floor.<dt>  decode attend, of its own read floor (the stored bytes read once)
+  precision.attend_sdpa.<dt>   (float32, bfloat16; with torch) decode attend, of torch SDPA on
+                               contiguous tensors of that dtype holding the same stored values
   precision.extend.<dt>        extend(512) from float32, of a C conversion floor over the same rows
   precision.chunk.<dt>         causal chunk q_len 256 over 2048, of SDPA with a causal mask
   precision.attend_w16.<dt>    (AVX-512 CPUs) decode attend on 16-float vectors, of the
@@ -64,7 +66,7 @@ def bench_precision(res, quick=False, reps=5, torch=None, threads=(1,)):
     # -- decode attention: each dtype on the same data, at 1 and N threads ------
     for n in threads:
         with Threads(n):
-            _decode_rows(res, contexts, reps, quick, rng, wide and n == 1, n)
+            _decode_rows(res, contexts, reps, quick, rng, wide and n == 1, n, torch)
 
     # -- extend(512) from float32: conversion in the copy loop vs a C floor -----
     t = 512
@@ -130,10 +132,11 @@ def bench_precision(res, quick=False, reps=5, torch=None, threads=(1,)):
 FLOOR_CONTEXT = 16
 
 
-def _decode_rows(res, contexts, reps, quick, rng, wide, threads):
+def _decode_rows(res, contexts, reps, quick, rng, wide, threads, torch=None):
     """Decode attend of each dtype on the same data against float32 and
     against its own read floor, both on ``threads`` threads; with ``wide``
-    the 16- against the 8-float path too."""
+    the 16- against the 8-float path too; with torch, float32 and bfloat16
+    against SDPA in that dtype (torch on ``threads`` threads too)."""
     g = "precision"
     tag = "" if threads == 1 else f"[{threads} threads] "
     for T in contexts:
@@ -156,6 +159,7 @@ def _decode_rows(res, contexts, reps, quick, rng, wide, threads):
             if wide:
                 variants.append((f"w8.{dt}", lambda: None, lambda _, c=c: _at_width(
                     8, lambda: [c.attend(q, out=out) for _ in range(n)])))
+        variants += _sdpa_variants(torch, K, V, q, n)
         best = best_of(variants, reps)
         us = {k: v / n * 1e6 for k, v in best.items()}
         exact = caches["float32"].attend(q)
@@ -168,11 +172,31 @@ def _decode_rows(res, contexts, reps, quick, rng, wide, threads):
                     tag + f"{dt}: decode attend @ {T} vs its read floor", us[dt], "us/call",
                     us[dt] / us[f"floor.{dt}"], "own read floor", context=T, dtype=dt,
                     floor_us=us[f"floor.{dt}"], threads=threads)
+            if f"sdpa.{dt}" in us:
+                res.add(g, GEO, f"precision.attend_sdpa.{dt}",
+                        tag + f"{dt}: decode attend @ {T} vs SDPA in {dt}", us[dt], "us/call",
+                        us[dt] / us[f"sdpa.{dt}"], f"SDPA, {dt}", context=T, dtype=dt, threads=threads)
             if wide:
                 res.add(g, GEO, f"precision.attend_w16.{dt}",
                         f"{dt}: decode attend @ {T}, 16-float vs 8-float path", us[dt], "us/call",
                         us[dt] / us[f"w8.{dt}"], "8-float (x86-64-v3) path", context=T, dtype=dt,
                         threads=threads)
+
+
+def _sdpa_variants(torch, K, V, q, n):
+    """torch SDPA decode, GQA, on contiguous (1, KVH, T, D) tensors in
+    float32 and in bfloat16 (what DynamicCache hands attention), n calls."""
+    if torch is None:
+        return []
+    F = torch.nn.functional
+    out = []
+    for dt, tdt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None].to(tdt)
+        vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None].to(tdt)
+        qt = torch.from_numpy(q)[None, :, None, :].to(tdt)
+        out.append((f"sdpa.{dt}", lambda: None, lambda _, qt=qt, kt=kt, vt=vt: [
+            F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True) for _ in range(n)]))
+    return out
 
 
 def bench_hf_bf16(res, contexts, quick=False):
@@ -297,6 +321,15 @@ def targets(res):
             out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs its {n}-thread read floor",
                               f"precision.attend_floor.{dt}", "<=", 1.5 if dt == "float32" else 2.0,
                               where={"dtype": dt, "context": 8192, "threads": n}))
+    # the issue's N-thread goal (at 1 thread the attention group's goal holds)
+    for n in sorted({r.get("threads", 1) for r in res.rows
+                     if r["slug"] == "precision.attend_sdpa.float32"} - {1}):
+        for dt in ("float32", "bfloat16"):
+            for ctx in (2048, 8192):
+                out.append(Target(f"[{n} threads] decode attend @ {ctx}, {dt}, vs SDPA in {dt} at {n}",
+                                  f"precision.attend_sdpa.{dt}", "<=", 0.5,
+                                  where={"dtype": dt, "context": ctx, "threads": n}))
+    for dt in DTYPES:
         out.append(Target(f"extend(512) into {dt} vs a C conversion floor", f"precision.extend.{dt}",
                           "<=", 1.2, where={"dtype": dt}))
     for dt in ("float32", "bfloat16"):
