@@ -115,26 +115,33 @@ typedef struct {
 #define FXA_SCALE_FLOATS(a) \
     ((size_t)FX_C * (size_t)(a)->n_kv_heads * (fx_i8_groups((a)->head_dim) + fx_i8_groups((a)->v_head_dim)))
 
-FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t c0, int n, fxa_rows *c,
-                              float *sbuf, const int dt)
+/* k[i], v[i] = the K and V rows of position p0 + i, for i < n. */
+FX_INLINE void fxa_row_addrs(const fx_kv *kv, ptrdiff_t p0, int n, const char **k, const char **v)
 {
     const char *kb = (const char *)kv->k, *vb = (const char *)kv->v;
     int i;
-    for (i = 0; i < n; i++) c->ks[i] = c->vs[i] = NULL;
     if (!kv->table) {
         for (i = 0; i < n; i++) {
-            c->k[i] = kb + (size_t)(c0 + i) * kv->k_row;
-            c->v[i] = vb + (size_t)(c0 + i) * kv->v_row;
+            k[i] = kb + (size_t)(p0 + i) * kv->k_row;
+            v[i] = vb + (size_t)(p0 + i) * kv->v_row;
         }
     } else {
-        ptrdiff_t b = c0 / kv->block_size, o = c0 % kv->block_size;
+        ptrdiff_t b = p0 / kv->block_size, o = p0 % kv->block_size;
         for (i = 0; i < n; i++) {
             const size_t blk = (size_t)kv->table[b];
-            c->k[i] = kb + blk * kv->k_block + (size_t)o * kv->k_row;
-            c->v[i] = vb + blk * kv->v_block + (size_t)o * kv->v_row;
+            k[i] = kb + blk * kv->k_block + (size_t)o * kv->k_row;
+            v[i] = vb + blk * kv->v_block + (size_t)o * kv->v_row;
             if (++o == kv->block_size) { o = 0; b++; }
         }
     }
+}
+
+FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t c0, int n, fxa_rows *c,
+                              float *sbuf, const int dt)
+{
+    int i;
+    for (i = 0; i < n; i++) c->ks[i] = c->vs[i] = NULL;
+    fxa_row_addrs(kv, c0, n, c->k, c->v);
     if (FX_QUANT(dt)) {
         const size_t nk = (size_t)a->n_kv_heads * fx_i8_groups(a->head_dim);
         const size_t nv = (size_t)a->n_kv_heads * fx_i8_groups(a->v_head_dim);
@@ -168,12 +175,12 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
 #endif
 
 /* Prefetches into L2 what the kernel reads of the int8 / int4 K and V rows
-   at positions [p0, p1): kv heads [g0, g0 + nh) of each, values and group
-   scales.  Issued a chunk ahead, so that rows from memory arrive while the
-   chunk before them computes.  Float rows are left to the hardware
-   prefetcher: for them the extra instructions cost more in cache than
-   they win out of it (benchmarks/NOTES.md). */
-FX_INLINE void fxa_prefetch_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t p0, ptrdiff_t p1, int g0, int nh,
+   of the n (<= FX_C) positions from p0: kv heads [g0, g0 + nh) of each,
+   values and group scales.  Issued a chunk ahead, so that rows from memory
+   arrive while the chunk before them computes.  Float rows are left to the
+   hardware prefetcher: for them the extra instructions cost more in cache
+   than they win out of it (benchmarks/NOTES.md). */
+FX_INLINE void fxa_prefetch_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t p0, int n, int g0, int nh,
                                  const int dt)
 {
     const size_t k0 = fx_value_bytes((size_t)g0 * (size_t)a->head_dim, dt);
@@ -184,22 +191,15 @@ FX_INLINE void fxa_prefetch_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff
     const size_t vvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->v_head_dim, dt);
     const size_t ks0 = kvals + 2 * (size_t)g0 * fx_i8_groups(a->head_dim), ks1 = ks0 + 2 * (size_t)nh * fx_i8_groups(a->head_dim);
     const size_t vs0 = vvals + 2 * (size_t)g0 * fx_i8_groups(a->v_head_dim), vs1 = vs0 + 2 * (size_t)nh * fx_i8_groups(a->v_head_dim);
-    ptrdiff_t p;
+    const char *k[FX_C], *v[FX_C];
+    int i;
     size_t x;
-    for (p = p0; p < p1; p++) {
-        const char *k, *v;
-        if (!kv->table) {
-            k = (const char *)kv->k + (size_t)p * kv->k_row;
-            v = (const char *)kv->v + (size_t)p * kv->v_row;
-        } else {
-            const size_t blk = (size_t)kv->table[p / kv->block_size], o = (size_t)(p % kv->block_size);
-            k = (const char *)kv->k + blk * kv->k_block + o * kv->k_row;
-            v = (const char *)kv->v + blk * kv->v_block + o * kv->v_row;
-        }
-        for (x = k0; x < k1; x += 64) FXA_PREFETCH_L2(k + x);
-        for (x = v0; x < v1; x += 64) FXA_PREFETCH_L2(v + x);
-        for (x = ks0; x < ks1; x += 64) FXA_PREFETCH_L2(k + x);
-        for (x = vs0; x < vs1; x += 64) FXA_PREFETCH_L2(v + x);
+    fxa_row_addrs(kv, p0, n, k, v);
+    for (i = 0; i < n; i++) {
+        for (x = k0; x < k1; x += 64) FXA_PREFETCH_L2(k[i] + x);
+        for (x = v0; x < v1; x += 64) FXA_PREFETCH_L2(v[i] + x);
+        for (x = ks0; x < ks1; x += 64) FXA_PREFETCH_L2(k[i] + x);
+        for (x = vs0; x < vs1; x += 64) FXA_PREFETCH_L2(v[i] + x);
     }
 }
 
@@ -795,11 +795,13 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                     }
                 if (!pack) {
                     for (r = 0; r < n; r += FX_ATTN_RGA) {
-                        const ptrdiff_t pf0 = c0 + FX_C + r, pf1 = pf0 + FX_ATTN_RGA;
-                        if (FX_ATTN_PREFETCH && FX_QUANT(dt) && pf0 <= c_last)
-                            fxa_prefetch_rows(kv, a, pf0, pf1 <= c_last ? pf1 : c_last + 1, g0, nh, dt);
-                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
-                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, qi, qf, sc, fa, fb, dt, W, idot);
+                        /* rows [r, r1) of this chunk; the same rows of the next one prefetched */
+                        const int r1 = r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n;
+                        const ptrdiff_t pf0 = c0 + FX_C + r, pf1 = c0 + FX_C + r1 <= c_last ? c0 + FX_C + r1 : c_last + 1;
+                        if (FX_ATTN_PREFETCH && FX_QUANT(dt) && pf0 < pf1)
+                            fxa_prefetch_rows(kv, a, pf0, (int)(pf1 - pf0), g0, nh, dt);
+                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r, r1, qs, qi, qf,
+                                        sc, fa, fb, dt, W, idot);
                     }
                     for (i = 0; i < nv; i++)
                         fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
