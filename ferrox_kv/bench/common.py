@@ -1,7 +1,8 @@
 """What every group shares and nothing else: the geometries, the block size,
-the legend, the log line, the optional dependencies, and the two records a
-group is made of (``Group``) and run with (``Run``). Imports no other module
-of the bench."""
+the legend, the log line, the optional dependencies, the torch layout the
+SDPA baselines are given (``heads_first``), and the two records a group is
+made of (``Group``) and run with (``Run``). Imports no other module of the
+bench."""
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,13 @@ def try_import(name):
 
 def have_torch():
     return try_import("torch") is not None
+
+
+def heads_first(torch, x, dtype=None):
+    """(T, H, D) float32 numpy rows as the contiguous (1, H, T, D) torch
+    tensor DynamicCache hands attention, converted to ``dtype`` if given."""
+    t = torch.from_numpy(x.transpose(1, 0, 2).copy())[None]
+    return t if dtype is None else t.to(dtype)
 
 
 def have_hf():

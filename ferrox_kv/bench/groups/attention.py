@@ -10,7 +10,7 @@ import numpy as np
 import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (ATTN_DIM, ATTN_HEADS, ATTN_KV_HEADS, BLOCK_SIZE, Group,
-                                    Threads, log, thread_counts)
+                                    Threads, heads_first, log, thread_counts)
 from ferrox_kv.bench.harness import best_of, loops_for, scaling
 from ferrox_kv.bench.targets import Figure, Target
 
@@ -56,8 +56,8 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch, threads=1):
         diff = None
         if torch is not None:
             # what DynamicCache hands attention: contiguous (1, KVH, T, D)
-            kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None]
-            vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None]
+            kt = heads_first(torch, K)
+            vt = heads_first(torch, V)
             qt = torch.from_numpy(q)[None, :, None, :]
             full = torch.ones(1, 1, 1, T, dtype=torch.bool)
             rep = H // KVH
@@ -170,9 +170,9 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch, threads=1):
     qc = rng.standard_normal((q_len, H, D), dtype=np.float32)
     variants = [("attend", lambda: None, lambda _: cache.attend(qc))]
     if torch is not None:
-        kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None]
-        vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None]
-        qt = torch.from_numpy(np.ascontiguousarray(qc.transpose(1, 0, 2)))[None]
+        kt = heads_first(torch, K)
+        vt = heads_first(torch, V)
+        qt = heads_first(torch, qc)
         mask = _causal_mask(torch, q_len, T)
         variants.append(("sdpa", lambda: None, lambda _: F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=mask, enable_gqa=True)))

@@ -22,7 +22,8 @@ Rows (slug: what, ratio of):
 import numpy as np
 
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, _core
-from ferrox_kv.bench.common import BLOCK_SIZE, Group, Threads, Torch1, log, thread_counts, try_import
+from ferrox_kv.bench.common import (BLOCK_SIZE, Group, Threads, Torch1, heads_first, log, thread_counts,
+                                    try_import)
 from ferrox_kv.bench.harness import best_of, loops_for
 from ferrox_kv.bench.targets import Target
 
@@ -105,9 +106,9 @@ def bench_precision(res, quick=False, reps=5, torch=None, threads=(1,)):
         K = rng.standard_normal((T, KVH, D), dtype=np.float32)
         V = rng.standard_normal((T, KVH, D), dtype=np.float32)
         Q = rng.standard_normal((ql, H, D), dtype=np.float32)
-        kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None]
-        vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None]
-        qt = torch.from_numpy(np.ascontiguousarray(Q.transpose(1, 0, 2)))[None]
+        kt = heads_first(torch, K)
+        vt = heads_first(torch, V)
+        qt = heads_first(torch, Q)
         mask = torch.ones(ql, T, dtype=torch.bool).tril(T - ql)
         for dt in ("float32", "bfloat16"):
             c = KvCache.with_pool(KVH, D, KvBlockPool(BLOCK_SIZE, T // BLOCK_SIZE, KVH, D, dtype=dt), T)
@@ -191,8 +192,8 @@ def _sdpa_variants(torch, K, V, q, n):
     F = torch.nn.functional
     out = []
     for dt, tdt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        kt = torch.from_numpy(np.ascontiguousarray(K.transpose(1, 0, 2)))[None].to(tdt)
-        vt = torch.from_numpy(np.ascontiguousarray(V.transpose(1, 0, 2)))[None].to(tdt)
+        kt = heads_first(torch, K, tdt)
+        vt = heads_first(torch, V, tdt)
         qt = torch.from_numpy(q)[None, :, None, :].to(tdt)
         out.append((f"sdpa.{dt}", lambda: None, lambda _, qt=qt, kt=kt, vt=vt: [
             F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True) for _ in range(n)]))
@@ -321,9 +322,7 @@ def targets(res):
             out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs its {n}-thread read floor",
                               f"precision.attend_floor.{dt}", "<=", 1.5 if dt == "float32" else 2.0,
                               where={"dtype": dt, "context": 8192, "threads": n}))
-    # the N-thread goal (at 1 thread the attention group's goal holds)
-    for n in sorted({r.get("threads", 1) for r in res.rows
-                     if r["slug"] == "precision.attend_sdpa.float32"} - {1}):
+        # (rows only with torch; at 1 thread the attention group's goal holds)
         for dt in ("float32", "bfloat16"):
             for ctx in (2048, 8192):
                 out.append(Target(f"[{n} threads] decode attend @ {ctx}, {dt}, vs SDPA in {dt} at {n}",
