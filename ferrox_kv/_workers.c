@@ -1,10 +1,23 @@
 /* _workers.c -- the worker pool of _workers.h.  One mutex guards the queue
  * of jobs that still have units to hand out and the thread counts; units
  * are taken with an atomic counter, so the lock is held only to join or
- * leave a job. */
+ * leave a job.
+ *
+ * A caller whose helpers are still on its last units polls for them for up
+ * to FX_WORKERS_SPIN_US microseconds (yielding the CPU between polls)
+ * before it blocks: waking a blocked thread costs a futex wake and, on a
+ * virtual machine whose idle vCPU has halted, tens of microseconds more, as
+ * much as a decode's unit of work.  Idle pool threads do not spin: between
+ * a model's attention calls they would take the cores torch computes on. */
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
+#include <time.h>
 #include "_workers.h"
+
+#ifndef FX_WORKERS_SPIN_US
+#define FX_WORKERS_SPIN_US 100
+#endif
 
 typedef struct fxw_job {
     fx_unit_fn *fn;
@@ -13,7 +26,7 @@ typedef struct fxw_job {
     ptrdiff_t next;         /* atomic: the next unit to take */
     int slots;              /* atomic: slots handed out (the caller holds 0) */
     int max_slots;
-    int helpers;            /* pool threads on this job (lock) */
+    int helpers;            /* pool threads on this job (changed under the lock, read atomically) */
     struct fxw_job *link;   /* the queue (lock) */
 } fxw_job;
 
@@ -24,6 +37,29 @@ static fxw_job *fxw_queue;     /* jobs with units left to hand out (lock) */
 static int fxw_count = 1;      /* threads a call may use, the caller included (atomic) */
 static int fxw_alive;          /* pool threads created in this process (lock) */
 static pthread_once_t fxw_once = PTHREAD_ONCE_INIT;
+
+/* Polls until *p != v (returns 1) or FX_WORKERS_SPIN_US have passed (0).
+   Lock not held. */
+static int fxw_spin_while(const int *p, int v)
+{
+    struct timespec t;
+    long long now, end;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    end = (long long)t.tv_sec * 1000000000LL + t.tv_nsec + 1000LL * FX_WORKERS_SPIN_US;
+    do {
+        int i;
+        for (i = 0; i < 64; i++) {
+            if (__atomic_load_n(p, __ATOMIC_ACQUIRE) != v) return 1;
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+        sched_yield(); /* a runnable thread on this CPU goes first */
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        now = (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+    } while (now < end);
+    return 0;
+}
 
 static void fxw_units(fxw_job *j, int slot)
 {
@@ -68,11 +104,12 @@ static void *fxw_main(void *arg)
             }
             pthread_cond_wait(&fxw_wake, &fxw_lock);
         }
-        j->helpers++;
+        __atomic_add_fetch(&j->helpers, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&fxw_lock);
         fxw_units(j, __atomic_fetch_add(&j->slots, 1, __ATOMIC_RELAXED));
         pthread_mutex_lock(&fxw_lock);
-        if (--j->helpers == 0) pthread_cond_broadcast(&fxw_left);
+        /* release: a spinning caller reads the outputs once it sees 0 */
+        if (__atomic_sub_fetch(&j->helpers, 1, __ATOMIC_RELEASE) == 0) pthread_cond_broadcast(&fxw_left);
     }
 }
 
@@ -144,7 +181,14 @@ FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_
         while (*pp != NULL && *pp != &j) pp = &(*pp)->link;
         if (*pp == &j) *pp = j.link;
     }
-    while (j.helpers > 0) pthread_cond_wait(&fxw_left, &fxw_lock);
+    if (__atomic_load_n(&j.helpers, __ATOMIC_RELAXED) > 0) { /* helpers on their last units: spin, then block */
+        int h;
+        pthread_mutex_unlock(&fxw_lock);
+        while ((h = __atomic_load_n(&j.helpers, __ATOMIC_ACQUIRE)) > 0 && fxw_spin_while(&j.helpers, h)) {
+        }
+        pthread_mutex_lock(&fxw_lock);
+    }
+    while (__atomic_load_n(&j.helpers, __ATOMIC_RELAXED) > 0) pthread_cond_wait(&fxw_left, &fxw_lock);
     pthread_mutex_unlock(&fxw_lock);
     used = __atomic_load_n(&j.slots, __ATOMIC_RELAXED);
     return used < max_slots ? used : max_slots;
