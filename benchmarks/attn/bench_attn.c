@@ -13,6 +13,9 @@
  *        bench_attn exp      (exp approximation vs libm expf)
  *        bench_attn dtypes [rounds] [ctx ...]   (every storage dtype, decode:
  *                             attend vs its read floor and vs float32)
+ *        bench_attn split [rounds] [threads] [ctx ...]   (a float32 decode
+ *                             split by fx_attend_batch over 1 and N threads,
+ *                             calls back to back and 1 ms apart)
  *   default: 30 paged 512:1 2048:1 8192:1 2048:256
  */
 #define _POSIX_C_SOURCE 199309L
@@ -23,6 +26,7 @@
 #include <time.h>
 
 #include "_attn_kernel.h" /* the tuning knobs it prints */
+#include "_workers.h"
 
 void clones_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
 void base_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
@@ -237,8 +241,74 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
     free(k); free(v); free(q); free(out); free(table); free(sc);
 }
 
+/* One float32 decode (paged, bs 16, shuffled) through fx_attend_batch at
+   1 and at `threads` threads, calls back to back and with a 1 ms pause
+   before each (the pool's threads then block between calls, as between a
+   model's layers); the four variants interleaved in every round. */
+static void run_split(ptrdiff_t ctx, int rounds, int threads)
+{
+    const int H = 32, Hkv = 8, hd = 128, bs = 16, nblocks = (int)(ctx / bs);
+    const size_t row = (size_t)Hkv * hd;
+    float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
+    float *q = malloc(sizeof(float) * (size_t)H * hd), *out = malloc(sizeof(float) * (size_t)H * hd);
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
+    const struct timespec pause = {0, 1000000};
+    fx_kv kv;
+    fx_attn_args a;
+    double best[4] = {1e30, 1e30, 1e30, 1e30};
+    size_t i;
+    int r, w, j, reps;
+    for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
+    for (i = 0; i < (size_t)H * hd; i++) q[i] = rnd();
+    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
+    for (i = (size_t)nblocks - 1; i > 0; i--) {
+        size_t x = (size_t)(rs % (i + 1));
+        int32_t t = table[i]; table[i] = table[x]; table[x] = t;
+        rnd();
+    }
+    memset(&a, 0, sizeof a);
+    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = 1;
+    a.scale = 1.0f / sqrtf((float)hd);
+    kv.k = k; kv.v = v; kv.table = table; kv.block_size = bs;
+    kv.k_block = kv.v_block = (size_t)bs * row * sizeof(float); kv.k_row = kv.v_row = row * sizeof(float);
+    kv.len = ctx; kv.dtype = FX_F32;
+    fx_workers_set(threads);
+    reps = (int)(400000 / ctx) + 1;
+    for (r = 0; r < rounds; r++)
+        for (w = 0; w < 4; w++) {
+            const int th = w % 2 ? threads : 1, gap = w >= 2;
+            double t = 0.0;
+            for (j = 0; j < reps; j++) {
+                double t0;
+                if (gap) nanosleep(&pause, NULL);
+                t0 = now();
+                fx_attend_batch(&kv, NULL, 1, &a, q, 0, out, 0, th);
+                t += now() - t0;
+            }
+            if (t / reps < best[w]) best[w] = t / reps;
+        }
+    printf("split: paged float32 decode ctx %td H %d Hkv %d hd %d, best of %d rounds (us)\n", ctx, H, Hkv, hd, rounds);
+    printf("   back to back   1 thread %8.1f  %d threads %8.1f  ratio %.3f\n", best[0] * 1e6, threads,
+           best[1] * 1e6, best[1] / best[0]);
+    printf("   1 ms apart     1 thread %8.1f  %d threads %8.1f  ratio %.3f\n", best[2] * 1e6, threads,
+           best[3] * 1e6, best[3] / best[2]);
+    fflush(stdout);
+    free(k); free(v); free(q); free(out); free(table);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "split")) {
+        const int rounds = argc > 2 ? atoi(argv[2]) : 7, threads = argc > 3 ? atoi(argv[3]) : 2;
+        int i;
+        if (argc <= 4) {
+            run_split(512, rounds, threads);
+            run_split(2048, rounds, threads);
+            run_split(8192, rounds, threads);
+        }
+        for (i = 4; i < argc; i++) run_split(atol(argv[i]), rounds, threads);
+        return 0;
+    }
     if (argc > 1 && !strcmp(argv[1], "dtypes")) {
         const int rounds = argc > 2 ? atoi(argv[2]) : 20;
         int i;
