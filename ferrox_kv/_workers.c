@@ -4,8 +4,8 @@
  * leave a job.
  *
  * A caller whose helpers are still on its last units polls for them for up
- * to FX_WORKERS_SPIN_US microseconds (yielding the CPU between polls)
- * before it blocks: waking a blocked thread costs a futex wake and, on a
+ * to FX_WORKERS_SPIN_US microseconds in all (yielding the CPU between
+ * polls) before it blocks: waking a blocked thread costs a futex wake and, on a
  * virtual machine whose idle vCPU has halted, tens of microseconds more, as
  * much as a decode's unit of work.  Idle pool threads do not spin: between
  * a model's attention calls they would take the cores torch computes on. */
@@ -38,27 +38,30 @@ static int fxw_count = 1;      /* threads a call may use, the caller included (a
 static int fxw_alive;          /* pool threads created in this process (lock) */
 static pthread_once_t fxw_once = PTHREAD_ONCE_INIT;
 
-/* Polls until *p != v (returns 1) or FX_WORKERS_SPIN_US have passed (0).
-   Lock not held. */
-static int fxw_spin_while(const int *p, int v)
+static long long fxw_now_ns(void)
 {
     struct timespec t;
-    long long now, end;
     clock_gettime(CLOCK_MONOTONIC, &t);
-    end = (long long)t.tv_sec * 1000000000LL + t.tv_nsec + 1000LL * FX_WORKERS_SPIN_US;
-    do {
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Polls until *p != v (returns 1) or the monotonic clock passes end (0).
+   Lock not held. */
+static int fxw_spin_while(const int *p, int v, long long end)
+{
+    for (;;) {
         int i;
         for (i = 0; i < 64; i++) {
             if (__atomic_load_n(p, __ATOMIC_ACQUIRE) != v) return 1;
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ __volatile__("yield");
 #endif
         }
+        if (fxw_now_ns() >= end) return 0;
         sched_yield(); /* a runnable thread on this CPU goes first */
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        now = (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-    } while (now < end);
-    return 0;
+    }
 }
 
 static void fxw_units(fxw_job *j, int slot)
@@ -181,15 +184,21 @@ FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_
         while (*pp != NULL && *pp != &j) pp = &(*pp)->link;
         if (*pp == &j) *pp = j.link;
     }
-    if (__atomic_load_n(&j.helpers, __ATOMIC_RELAXED) > 0) { /* helpers on their last units: spin, then block */
-        int h;
-        pthread_mutex_unlock(&fxw_lock);
-        while ((h = __atomic_load_n(&j.helpers, __ATOMIC_ACQUIRE)) > 0 && fxw_spin_while(&j.helpers, h)) {
-        }
-        pthread_mutex_lock(&fxw_lock);
-    }
-    while (__atomic_load_n(&j.helpers, __ATOMIC_RELAXED) > 0) pthread_cond_wait(&fxw_left, &fxw_lock);
     pthread_mutex_unlock(&fxw_lock);
+    /* helpers on their last units (their count only falls now): poll until
+       the deadline, then block.  Seeing 0 (acquire) makes their outputs
+       visible; no helper touches j after its decrement. */
+    {
+        const long long end = fxw_now_ns() + 1000LL * FX_WORKERS_SPIN_US;
+        int h;
+        while ((h = __atomic_load_n(&j.helpers, __ATOMIC_ACQUIRE)) > 0 && fxw_spin_while(&j.helpers, h, end)) {
+        }
+        if (h > 0) {
+            pthread_mutex_lock(&fxw_lock);
+            while (__atomic_load_n(&j.helpers, __ATOMIC_RELAXED) > 0) pthread_cond_wait(&fxw_left, &fxw_lock);
+            pthread_mutex_unlock(&fxw_lock);
+        }
+    }
     used = __atomic_load_n(&j.slots, __ATOMIC_RELAXED);
     return used < max_slots ? used : max_slots;
 }

@@ -24,13 +24,14 @@
 typedef void fx_unit_fn(void *ctx, ptrdiff_t unit, int slot);
 
 /* Runs fn(ctx, u, slot) for every u in [0, n_units), on the caller and at
-   most max_slots - 1 pool threads.  Returns the number of slots that ran a
-   unit (1: the caller alone). */
+   most max_slots - 1 pool threads.  Returns the number of threads that
+   joined the job (1: the caller alone); one that joined as the units ran
+   out may have run none. */
 FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots);
 
 /* Threads a call may use, the caller included (>= 1); returns the old
-   count.  Lowering it ends the pool threads above the new count (each
-   after the unit it is running). */
+   count.  Lowering it ends the pool threads above the new count (each once
+   the job it is on has no units left to hand out). */
 FX_API int fx_workers_set(int n);
 FX_API int fx_workers_get(void);
 
