@@ -85,6 +85,7 @@ static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, i
     kv.k = k; kv.v = v; kv.table = contig ? NULL : table; kv.block_size = bs;
     kv.k_block = kv.v_block = (size_t)bs * row * 4; kv.k_row = kv.v_row = row * 4; kv.len = ctx;
     kv.dtype = FX_F32;
+    memset(&a, 0, sizeof a); /* the fields of a split part (kv_lo ... ml) zero: the whole call */
     a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = q_len;
     a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
     {
@@ -190,6 +191,7 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
         int32_t x = table[i]; table[i] = table[j]; table[j] = x;
         rnd();
     }
+    memset(&a, 0, sizeof a);
     a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = 1;
     a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
     for (dt = 0; dt < 4; dt++) {
