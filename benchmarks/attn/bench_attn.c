@@ -164,6 +164,26 @@ static void exp_bench(void)
            best1 * 1e9, best2 * 1e9, best2 / best1, maxrel);
 }
 
+/* The decode of the dtypes and split modes: k and v n random floats each,
+   q one position's H x hd, table a shuffled order of nblocks blocks, a the
+   call's arguments (q_len 1, every other field zero). */
+static void decode_setup(float *k, float *v, size_t n, float *q, int32_t *table, int nblocks, fx_attn_args *a,
+                         int H, int Hkv, int hd)
+{
+    size_t i;
+    for (i = 0; i < n; i++) { k[i] = rnd(); v[i] = rnd(); }
+    for (i = 0; i < (size_t)H * hd; i++) q[i] = rnd();
+    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
+    for (i = (size_t)nblocks - 1; i > 0; i--) {
+        size_t j = (size_t)(rs % (i + 1));
+        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
+        rnd();
+    }
+    memset(a, 0, sizeof *a);
+    a->n_kv_heads = Hkv; a->head_dim = hd; a->v_head_dim = hd; a->n_heads = H; a->q_len = 1;
+    a->scale = 1.0f / sqrtf((float)hd);
+}
+
 /* Every dtype at one context, paged (bs 16, shuffled), decode: per dtype a
    read floor over its stored bytes and fx_attend (clones), and int8 again
    with VNNI off (fx_attend_set_vnni), all 10 variants interleaved in every
@@ -181,19 +201,8 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
     fx_kv kv[5];
     fx_attn_args a;
     double best[10];
-    size_t i;
     int r, w, reps, dt;
-    for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
-    for (i = 0; i < (size_t)H * hd; i++) q[i] = rnd();
-    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
-    for (i = (size_t)nblocks - 1; i > 0; i--) {
-        size_t j = (size_t)(rs % (i + 1));
-        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
-        rnd();
-    }
-    memset(&a, 0, sizeof a);
-    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = 1;
-    a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
+    decode_setup(k, v, (size_t)ctx * row, q, table, nblocks, &a, H, Hkv, hd);
     for (dt = 0; dt < 4; dt++) {
         const size_t rb = fx_row_bytes(Hkv, hd, dt);
         ks[dt] = malloc(rb * (size_t)ctx);
@@ -258,19 +267,8 @@ static void run_split(ptrdiff_t ctx, int rounds, int threads)
     fx_kv kv;
     fx_attn_args a;
     double best[4] = {1e30, 1e30, 1e30, 1e30};
-    size_t i;
     int r, w, j, reps;
-    for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
-    for (i = 0; i < (size_t)H * hd; i++) q[i] = rnd();
-    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
-    for (i = (size_t)nblocks - 1; i > 0; i--) {
-        size_t x = (size_t)(rs % (i + 1));
-        int32_t t = table[i]; table[i] = table[x]; table[x] = t;
-        rnd();
-    }
-    memset(&a, 0, sizeof a);
-    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = 1;
-    a.scale = 1.0f / sqrtf((float)hd);
+    decode_setup(k, v, (size_t)ctx * row, q, table, nblocks, &a, H, Hkv, hd);
     kv.k = k; kv.v = v; kv.table = table; kv.block_size = bs;
     kv.k_block = kv.v_block = (size_t)bs * row * sizeof(float); kv.k_row = kv.v_row = row * sizeof(float);
     kv.len = ctx; kv.dtype = FX_F32;
