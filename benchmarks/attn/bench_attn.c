@@ -59,6 +59,27 @@ volatile float sink;
 enum { V_FLOOR, V_CLONES, V_BASE, V_V3, NV };
 static const char *vname[NV] = {"floor", "shipped", "base(sse2)", "v3(8-float)"};
 
+/* Every mode's data and call: k and v n random floats each, q q_len
+   positions of H x hd, table a shuffled order of nblocks blocks, a the
+   call's arguments (every field beyond the shape and scale zero: the whole
+   call, not a split part). */
+static void attn_setup(float *k, float *v, size_t n, float *q, ptrdiff_t q_len, int32_t *table, int nblocks,
+                       fx_attn_args *a, int H, int Hkv, int hd)
+{
+    size_t i;
+    for (i = 0; i < n; i++) { k[i] = rnd(); v[i] = rnd(); }
+    for (i = 0; i < (size_t)q_len * H * hd; i++) q[i] = rnd();
+    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
+    for (i = (size_t)nblocks - 1; i > 0; i--) {
+        size_t j = (size_t)(rs % (i + 1));
+        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
+        rnd();
+    }
+    memset(a, 0, sizeof *a);
+    a->n_kv_heads = Hkv; a->head_dim = hd; a->v_head_dim = hd; a->n_heads = H; a->q_len = q_len;
+    a->scale = 1.0f / sqrtf((float)hd);
+}
+
 static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, int Hkv, int hd)
 {
     const int bs = 16;
@@ -74,20 +95,10 @@ static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, i
     size_t i;
     int r, w, reps;
 
-    for (i = 0; i < (size_t)ctx * row; i++) { k[i] = rnd(); v[i] = rnd(); }
-    for (i = 0; i < (size_t)q_len * H * hd; i++) q[i] = rnd();
-    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
-    for (i = (size_t)nblocks - 1; i > 0; i--) {
-        size_t j = (size_t)(rs % (i + 1));
-        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
-        rnd();
-    }
+    attn_setup(k, v, (size_t)ctx * row, q, q_len, table, nblocks, &a, H, Hkv, hd);
     kv.k = k; kv.v = v; kv.table = contig ? NULL : table; kv.block_size = bs;
     kv.k_block = kv.v_block = (size_t)bs * row * 4; kv.k_row = kv.v_row = row * 4; kv.len = ctx;
     kv.dtype = FX_F32;
-    memset(&a, 0, sizeof a); /* the fields of a split part (kv_lo ... ml) zero: the whole call */
-    a.n_kv_heads = Hkv; a.head_dim = hd; a.v_head_dim = hd; a.n_heads = H; a.q_len = q_len;
-    a.scale = 1.0f / sqrtf((float)hd); a.window = 0; a.start = 0;
     {
         size_t n1 = clones_scratch(&a), n2 = base_scratch(&a), n3 = v3_scratch(&a);
         n1 = n1 > n2 ? n1 : n2;
@@ -164,26 +175,6 @@ static void exp_bench(void)
            best1 * 1e9, best2 * 1e9, best2 / best1, maxrel);
 }
 
-/* The decode of the dtypes and split modes: k and v n random floats each,
-   q one position's H x hd, table a shuffled order of nblocks blocks, a the
-   call's arguments (q_len 1, every other field zero). */
-static void decode_setup(float *k, float *v, size_t n, float *q, int32_t *table, int nblocks, fx_attn_args *a,
-                         int H, int Hkv, int hd)
-{
-    size_t i;
-    for (i = 0; i < n; i++) { k[i] = rnd(); v[i] = rnd(); }
-    for (i = 0; i < (size_t)H * hd; i++) q[i] = rnd();
-    for (i = 0; i < (size_t)nblocks; i++) table[i] = (int32_t)i;
-    for (i = (size_t)nblocks - 1; i > 0; i--) {
-        size_t j = (size_t)(rs % (i + 1));
-        int32_t x = table[i]; table[i] = table[j]; table[j] = x;
-        rnd();
-    }
-    memset(a, 0, sizeof *a);
-    a->n_kv_heads = Hkv; a->head_dim = hd; a->v_head_dim = hd; a->n_heads = H; a->q_len = 1;
-    a->scale = 1.0f / sqrtf((float)hd);
-}
-
 /* Every dtype at one context, paged (bs 16, shuffled), decode: per dtype a
    read floor over its stored bytes and fx_attend (clones), and int8 again
    with VNNI off (fx_attend_set_vnni), all 10 variants interleaved in every
@@ -202,7 +193,7 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
     fx_attn_args a;
     double best[10];
     int r, w, reps, dt;
-    decode_setup(k, v, (size_t)ctx * row, q, table, nblocks, &a, H, Hkv, hd);
+    attn_setup(k, v, (size_t)ctx * row, q, 1, table, nblocks, &a, H, Hkv, hd);
     for (dt = 0; dt < 4; dt++) {
         const size_t rb = fx_row_bytes(Hkv, hd, dt);
         ks[dt] = malloc(rb * (size_t)ctx);
@@ -268,7 +259,7 @@ static void run_split(ptrdiff_t ctx, int rounds, int threads)
     fx_attn_args a;
     double best[4] = {1e30, 1e30, 1e30, 1e30};
     int r, w, j, reps;
-    decode_setup(k, v, (size_t)ctx * row, q, table, nblocks, &a, H, Hkv, hd);
+    attn_setup(k, v, (size_t)ctx * row, q, 1, table, nblocks, &a, H, Hkv, hd);
     kv.k = k; kv.v = v; kv.table = table; kv.block_size = bs;
     kv.k_block = kv.v_block = (size_t)bs * row * sizeof(float); kv.k_row = kv.v_row = row * sizeof(float);
     kv.len = ctx; kv.dtype = FX_F32;
