@@ -116,6 +116,7 @@ extensions = [
                        ("FERROX_KV_BUILD", '"' + BUILD + '"')],     # _core.build_info()
         extra_compile_args=compile_args,
         extra_link_args=link_args,
+        libraries=["dl"] if sys.platform.startswith("linux") else [],   # dlopen (_workers.c), glibc < 2.34
     )
 ]
 

@@ -115,6 +115,17 @@ def _attend_threads_used():
     return _last_threads
 
 
+def _openmp_route(path):
+    """Run this thread's later split calls on its team of the GNU OpenMP
+    runtime already loaded at ``path`` (torch's libgomp) instead of the
+    worker pool; ``None`` routes them back. Returns whether the route is on
+    (off: no such library loaded, or a fork child)."""
+    if path is None:
+        return bool(fx_workers_openmp(NULL))
+    cdef bytes b = os.fsencode(path)
+    return bool(fx_workers_openmp(b))
+
+
 def _worker_threads_alive():
     """Worker threads alive in this process (created on first use)."""
     return fx_workers_alive()

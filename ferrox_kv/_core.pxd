@@ -111,6 +111,7 @@ cdef extern from "_workers.h" nogil:
     int fx_workers_set(int n)
     int fx_workers_get()
     int fx_workers_alive()
+    int fx_workers_openmp(const char* path)
 
 # A source of rows for cache_write besides FX_F32 / FX_F16 / FX_BF16 values:
 # rows already in the cache's own stored format (its row bytes apart).

@@ -55,6 +55,8 @@ from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 cimport numpy as cnp
+import os
+
 import numpy as np
 from numpy.lib.array_utils import byte_bounds as _byte_bounds
 from numbers import Complex as _Complex, Real as _Real

@@ -9,6 +9,7 @@
  * virtual machine whose idle vCPU has halted, tens of microseconds more, as
  * much as a decode's unit of work.  Idle pool threads do not spin: between
  * a model's attention calls they would take the cores torch computes on. */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -37,6 +38,17 @@ static fxw_job *fxw_queue;     /* jobs with units left to hand out (lock) */
 static int fxw_count = 1;      /* threads a call may use, the caller included (atomic) */
 static int fxw_alive;          /* pool threads created in this process (lock) */
 static pthread_once_t fxw_once = PTHREAD_ONCE_INIT;
+
+/* The OpenMP route (fx_workers_openmp): GNU OpenMP's GOMP_parallel and
+   omp_get_thread_num of a runtime already loaded (atomic pointers, set
+   once); fxw_forked: this process is a fork child, the route stays off;
+   fxw_omp_here: the route is on for this thread. */
+typedef void fxw_gomp_parallel_fn(void (*)(void *), void *, unsigned, unsigned);
+typedef int fxw_omp_num_fn(void);
+static fxw_gomp_parallel_fn *fxw_gomp_parallel;
+static fxw_omp_num_fn *fxw_omp_num;
+static int fxw_forked;
+static __thread int fxw_omp_here;
 
 static long long fxw_now_ns(void)
 {
@@ -121,6 +133,7 @@ static void fxw_prefork(void) { pthread_mutex_lock(&fxw_lock); }
 static void fxw_parent(void) { pthread_mutex_unlock(&fxw_lock); }
 static void fxw_child(void)
 {
+    fxw_forked = 1; /* the parent's OpenMP team does not exist here */
     fxw_queue = NULL;
     fxw_alive = 0;
     pthread_cond_init(&fxw_wake, NULL);
@@ -150,6 +163,66 @@ static void fxw_grow(int want)
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
+/* A job on the OpenMP route: every team thread takes units from one
+   counter; joined counts the threads that took part. */
+typedef struct {
+    fx_unit_fn *fn;
+    void *ctx;
+    ptrdiff_t n, next;
+    int joined;
+} fxw_omp_job;
+
+static void fxw_omp_body(void *arg)
+{
+    fxw_omp_job *o = (fxw_omp_job *)arg;
+    const int slot = fxw_omp_num();
+    ptrdiff_t u;
+    __atomic_add_fetch(&o->joined, 1, __ATOMIC_RELAXED);
+    while ((u = __atomic_fetch_add(&o->next, 1, __ATOMIC_RELAXED)) < o->n) o->fn(o->ctx, u, slot);
+}
+
+FX_API int fx_workers_openmp(const char *path)
+{
+#ifdef RTLD_NOLOAD
+    pthread_once(&fxw_once, fxw_init);
+    if (path == NULL || __atomic_load_n(&fxw_forked, __ATOMIC_RELAXED)) {
+        fxw_omp_here = 0;
+        return 0;
+    }
+    {
+        void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD); /* only a runtime already loaded */
+        void *par = h ? dlsym(h, "GOMP_parallel") : NULL, *num = h ? dlsym(h, "omp_get_thread_num") : NULL;
+        int same = 1;
+        if (par == NULL || num == NULL) {
+            if (h) dlclose(h);
+            fxw_omp_here = 0;
+            return 0;
+        }
+        /* the first runtime's handle stays open (it is never unloaded under
+           a job); one process routes to one runtime */
+        pthread_mutex_lock(&fxw_lock);
+        if (fxw_gomp_parallel == NULL) {
+            __atomic_store_n(&fxw_omp_num, (fxw_omp_num_fn *)num, __ATOMIC_RELAXED);
+            __atomic_store_n(&fxw_gomp_parallel, (fxw_gomp_parallel_fn *)par, __ATOMIC_RELEASE);
+            h = NULL;
+        } else {
+            same = (void *)fxw_gomp_parallel == par;
+        }
+        pthread_mutex_unlock(&fxw_lock);
+        if (h) dlclose(h);
+        if (!same) {
+            fxw_omp_here = 0;
+            return 0;
+        }
+    }
+    fxw_omp_here = 1;
+    return 1;
+#else
+    (void)path;
+    return 0;
+#endif
+}
+
 FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots)
 {
     fxw_job j;
@@ -167,6 +240,11 @@ FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_
     if (max_slots <= 1) {
         fxw_units(&j, 0);
         return 1;
+    }
+    if (fxw_omp_here && !__atomic_load_n(&fxw_forked, __ATOMIC_RELAXED)) {
+        fxw_omp_job o = {fn, ctx, n_units, 0, 0};
+        __atomic_load_n(&fxw_gomp_parallel, __ATOMIC_ACQUIRE)(fxw_omp_body, &o, (unsigned)max_slots, 0);
+        return o.joined;
     }
     pthread_once(&fxw_once, fxw_init);
     pthread_mutex_lock(&fxw_lock);
