@@ -11,6 +11,7 @@ package docstring says when). Importing this module registers both under
 from __future__ import annotations
 
 import abc
+import os
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -22,6 +23,7 @@ from transformers.masking_utils import (
 )
 
 from ferrox_kv import attend_many
+from ferrox_kv._core import _openmp_route
 
 __all__ = ["ATTENTION", "COMPILE_REFUSED", "SDPA_PREFILL_MIN", "FerroxCompileError",
            "PackedAttention", "ferrox_attention"]
@@ -35,6 +37,47 @@ SDPA_PREFILL_MIN = 1024
 
 # The attention implementation
 # ---------------------------------------------------------------------------
+
+_OPENMP = []                  # [path or None] once looked up
+
+
+def _torch_openmp():
+    """The GNU OpenMP runtime torch runs on in this process (a path), or
+    None: torch built without OpenMP, no such library mapped, more than one
+    and none of them torch's, or ``FERROX_KV_TORCH_OPENMP=0``."""
+    if not _OPENMP:
+        path = None
+        if os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0" and torch.backends.openmp.is_available():
+            found = set()
+            try:
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        field = line.split(None, 5)
+                        if len(field) == 6 and os.path.basename(field[5].strip()).startswith("libgomp"):
+                            found.add(field[5].strip())
+            except OSError:
+                pass
+            mine = sorted(p for p in found if p.startswith(os.path.dirname(torch.__file__) + os.sep))
+            path = mine[0] if mine else found.pop() if len(found) == 1 else None
+        _OPENMP.append(path)
+    return _OPENMP[0]
+
+
+def attend_on_torch_threads(seqs, q, **kwargs):
+    """``attend_many(seqs, q, threads=torch.get_num_threads(), **kwargs)``,
+    split on torch's own OpenMP team where torch has one (the threads its
+    operators run on, which spin for a while after each of them) rather than
+    on ferrox_kv's worker pool, whose threads would wait for those cores.
+    ``FERROX_KV_TORCH_OPENMP=0`` keeps the pool. The route is this call's
+    alone: other calls on the thread use the pool."""
+    path = _torch_openmp()
+    routed = path is not None and _openmp_route(path)
+    try:
+        return attend_many(seqs, q, threads=torch.get_num_threads(), **kwargs)
+    finally:
+        if routed:
+            _openmp_route(None)
+
 
 class _Mask:
     """What the "ferrox" mask function was given, for the attention: the 2D
@@ -142,7 +185,7 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     the same kernel, whatever the mask. The
     kernel uses at most ``torch.get_num_threads()`` threads (and at most
     ``ferrox_kv.get_num_threads()``), so ``torch.set_num_threads(k)`` limits
-    both."""
+    both, and splits on torch's OpenMP team (``attend_on_torch_threads``)."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
     if layer is not None:
@@ -169,9 +212,8 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             starts = _left_padding(mask.padding, kv_len)
             if starts is not None or mask.padding is None:
                 q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-                out = torch.from_numpy(attend_many(layer.seqs, q, scale=scaling,
-                                                   window=sliding_window, start=starts,
-                                                   threads=torch.get_num_threads()))
+                out = torch.from_numpy(attend_on_torch_threads(layer.seqs, q, scale=scaling,
+                                                               window=sliding_window, start=starts))
                 return out.to(device=query.device, dtype=query.dtype), None
         if not fresh:                                     # update handed back placeholders
             key, value = layer._gather()
