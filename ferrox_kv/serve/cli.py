@@ -120,10 +120,6 @@ def load(args):
     """(model, tokenizer, pool) from the arguments; nothing is downloaded."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    # torch's OpenMP threads spin after each parallel region by default and
-    # take the cores the attention's workers run on; passive waiting,
-    # unless the user chose a policy (read once, when torch loads OpenMP)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
