@@ -621,11 +621,27 @@ FX_INLINE void fxa_unpack_slice(float *dst, const char *row, const float *scales
 FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, float *kt, float *krow, float *vbuf,
                              fxa_rows *pk, const int dt)
 {
-    int r, d;
-    /* K transposed (kt[d*FX_KT + r]), rows past n zero */
-    for (r = 0; r < n; r++) {
-        fxa_unpack_slice(krow, c->k[r], c->ks[r], g, hd, dt);
-        for (d = 0; d < hd; d++) kt[(size_t)d * FX_KT + r] = krow[d];
+    int r, d, i;
+    /* K transposed (kt[d*FX_KT + r]), rows past n zero: 8 rows at a time
+       by 8 x 8 transposes (float32 rows read in place, others unpacked to
+       krow, 8 head slices); a last group of fewer rows reads zero rows */
+    for (r = 0; r < n; r += 8) {
+        const float *src[8];
+        fxa_v8 t[8];
+        for (i = 0; i < 8; i++) {
+            float *own = krow + (size_t)i * (size_t)hd;
+            if (r + i >= n) memset(own, 0, (size_t)hd * sizeof(float));
+            else if (dt == FX_F32) own = NULL;
+            else fxa_unpack_slice(own, c->k[r + i], c->ks[r + i], g, hd, dt);
+            src[i] = own ? own : (const float *)(const void *)c->k[r + i] + (size_t)g * (size_t)hd;
+        }
+        for (d = 0; d + 8 <= hd; d += 8) {
+            for (i = 0; i < 8; i++) t[i] = fxa_load(src[i] + d);
+            fxa_transpose8(t);
+            for (i = 0; i < 8; i++) fxa_store(kt + (size_t)(d + i) * FX_KT + r, t[i]);
+        }
+        for (; d < hd; d++)
+            for (i = 0; i < 8; i++) kt[(size_t)d * FX_KT + r + i] = src[i][d];
     }
     if (n < FX_KT)
         for (d = 0; d < hd; d++) memset(kt + (size_t)d * FX_KT + n, 0, (size_t)(FX_KT - n) * sizeof(float));
@@ -668,7 +684,7 @@ static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq
 /* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
    scaled queries, output accumulators, one chunk of scores, m, l, alpha and
    the visible row range of each vector; plus one chunk of one head's K
-   (transposed, FX_KT rows, and one row) and V when they are packed, one
+   (transposed, FX_KT rows, and 8 rows unpacked) and V when they are packed, one
    chunk's int8 scales as float, and the quantised queries (int8 caches:
    a factor per vector and head_dim bytes). */
 static inline FX_UNUSED size_t fxa_scratch_floats(const fx_attn_args *a)
@@ -680,7 +696,7 @@ static inline FX_UNUSED size_t fxa_scratch_floats(const fx_attn_args *a)
     nvg = (size_t)nq * (size_t)(a->n_heads / a->n_kv_heads);
     nv = nvg * (size_t)nh;
     return nv * ((size_t)a->head_dim + (size_t)a->v_head_dim + FX_CS + 5) +
-           (FX_PACKS(nvg) ? (size_t)(FX_KT + 1) * (size_t)a->head_dim + (size_t)FX_C * (size_t)a->v_head_dim : 0) +
+           (FX_PACKS(nvg) ? (size_t)(FX_KT + 8) * (size_t)a->head_dim + (size_t)FX_C * (size_t)a->v_head_dim : 0) +
            FXA_SCALE_FLOATS(a) + nv + (nv * (size_t)a->head_dim + 3) / 4;
 }
 
@@ -745,7 +761,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
             const ptrdiff_t c_last = p_last < rhi - 1 ? p_last : rhi - 1;
             float *qs = scratch, *acc = qs + (size_t)nv * hd, *sc = acc + (size_t)nv * dv;
             float *mm = sc + (size_t)nv * FX_CS, *ll = mm + nv, *al = ll + nv, *fa = al + nv, *fb = fa + nv;
-            float *kt = fb + nv, *krow = kt + (size_t)FX_KT * hd, *vbuf = krow + hd;
+            float *kt = fb + nv, *krow = kt + (size_t)FX_KT * hd, *vbuf = krow + (size_t)8 * hd;
             const int pack = FX_PACKS(nvg);
             float *sbuf = pack ? vbuf + (size_t)FX_C * dv : kt;
             float *qf = sbuf + FXA_SCALE_FLOATS(a); /* int8: fxa_quantise_q */

@@ -181,6 +181,27 @@ FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out)
     const fxa_v4 s = fxa_fold(FX_HADD8(FX_HADD8(a[0], a[1]), FX_HADD8(a[2], a[3])));
     memcpy(out, &s, sizeof s);
 }
+/* r[i][j] becomes r[j][i] (8 x 8): pairs interleaved, then pairs of
+   pairs, then 128-bit halves; 24 shuffles. */
+FX_INLINE void fxa_transpose8(fxa_v8 *r)
+{
+    fxa_v8 t[8], u[8];
+    int i;
+    for (i = 0; i < 8; i += 2) {
+        t[i] = FX_SHUF8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = FX_SHUF8(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (i = 0; i < 8; i += 4) {
+        u[i] = FX_SHUF8(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 1] = FX_SHUF8(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 2] = FX_SHUF8(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = FX_SHUF8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (i = 0; i < 4; i++) {
+        r[i] = FX_SHUF8(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[i + 4] = FX_SHUF8(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
 /* 2^y for y <= 0 (relative error < 1e-7).  y < -125 (and -inf) gives
    exactly 0, so no result is denormal; NaN gives NaN (a NaN score makes its
    query NaN, as in SDPA).  y = n + f, n = round(y); 2^f =
@@ -311,6 +332,16 @@ FX_INLINE float fxa_hsum(fxa_v8 v) { return ((v.x[0] + v.x[4]) + (v.x[2] + v.x[6
 FX_INLINE float fxa_hmax(fxa_v8 v) { float m = v.x[0]; int i; for (i = 1; i < 8; i++) m = v.x[i] > m ? v.x[i] : m; return m; }
 FX_INLINE void fxa_hsum8x8(const fxa_v8 *a, float *out) { int i; for (i = 0; i < 8; i++) out[i] = fxa_hsum(a[i]); }
 FX_INLINE void fxa_hsum4x8(const fxa_v8 *a, float *out) { int i; for (i = 0; i < 4; i++) out[i] = fxa_hsum(a[i]); }
+FX_INLINE void fxa_transpose8(fxa_v8 *r)
+{
+    int i, j;
+    for (i = 0; i < 8; i++)
+        for (j = i + 1; j < 8; j++) {
+            const float x = r[i].x[j];
+            r[i].x[j] = r[j].x[i];
+            r[j].x[i] = x;
+        }
+}
 static float fxa_exp2f(float y);
 FX_INLINE fxa_v8 fxa_exp2(fxa_v8 y) { int i; for (i = 0; i < 8; i++) y.x[i] = fxa_exp2f(y.x[i]); return y; }
 #define fxa_load_f32(p) fxa_load(p)
