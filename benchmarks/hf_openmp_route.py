@@ -5,7 +5,7 @@ DynamicCache + SDPA, interleaved in one process at N torch threads.
 
     python benchmarks/hf_openmp_route.py --threads 2 --contexts 2048,8192
 
-The pool variant looks the runtime up as missing (what
+The pool variant looks torch's runtime up as missing (what
 ``FERROX_KV_TORCH_OPENMP=0`` gives); both variants use the same thread
 count and give the same logits (printed)."""
 import argparse
@@ -32,7 +32,7 @@ def main():
     cfg, model = make_model(max(contexts) + args.tokens + 2)
     layers, h, d = kv_geometry(cfg)
     runtime = A._torch_openmp()
-    print(f"torch's OpenMP runtime: {runtime}; {args.threads} torch threads")
+    print(f"torch's OpenMP runtime, reached through {runtime}; {args.threads} torch threads")
     first = torch.tensor([[7]])
     for ctx in contexts:
         max_len = ctx + args.tokens + 2

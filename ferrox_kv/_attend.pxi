@@ -115,15 +115,22 @@ def _attend_threads_used():
     return _last_threads
 
 
-def _openmp_route(path):
-    """Run this thread's later split calls on its team of the GNU OpenMP
-    runtime already loaded at ``path`` (torch's libgomp) instead of the
-    worker pool; ``None`` routes them back. Returns whether the route is on
-    (off: no such library loaded, or a fork child)."""
-    if path is None:
-        return bool(fx_workers_openmp(NULL))
+def _openmp_load(path):
+    """Make the GNU OpenMP runtime reached through the library at ``path``
+    (already loaded: torch's libtorch_cpu) the one split calls may run on;
+    returns whether it is this process's runtime (False: not loaded, no
+    runtime behind it, another one chosen before, or a fork child)."""
     cdef bytes b = os.fsencode(path)
-    return bool(fx_workers_openmp(b))
+    if b"\0" in b:
+        raise ValueError("path holds a NUL byte")
+    return bool(fx_workers_openmp_load(b))
+
+
+def _openmp_route(bint on):
+    """Run this thread's later split calls on its team of the loaded OpenMP
+    runtime (``_openmp_load``), or on the worker pool; returns whether the
+    route is on (off without a loaded runtime, and in a fork child)."""
+    return bool(fx_workers_openmp(on))
 
 
 def _worker_threads_alive():

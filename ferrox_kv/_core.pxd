@@ -111,7 +111,13 @@ cdef extern from "_workers.h" nogil:
     int fx_workers_set(int n)
     int fx_workers_get()
     int fx_workers_alive()
-    int fx_workers_openmp(const char* path)
+    int fx_workers_openmp_load(const char* path)
+    int fx_workers_openmp(int on)
+
+# The thread running a worker unit (the tests' probe of who ran what).
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    pthread_t pthread_self()
 
 # A source of rows for cache_write besides FX_F32 / FX_F16 / FX_BF16 values:
 # rows already in the cache's own stored format (its row bytes apart).

@@ -169,6 +169,48 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
         _release_all(cs, n)
 
 
+cdef struct _Probe:
+    int* slot
+    pthread_t* tid
+    double* acc
+
+
+cdef void _probe_unit(void* ctx, Py_ssize_t u, int slot) noexcept nogil:
+    cdef _Probe* p = <_Probe*>ctx
+    cdef int i
+    p.slot[u] = slot
+    p.tid[u] = pthread_self()
+    for i in range(20000):                   # long enough for the other threads to take units
+        p.acc[u] += i * 1e-9
+
+
+def _workers_probe(Py_ssize_t units, int max_slots, bint route):
+    """Test hook: run ``units`` units through fx_workers_run on at most
+    ``max_slots`` threads, on this thread's OpenMP route when ``route``
+    (left off after); returns (threads that joined, each unit's slot, each
+    unit's thread as an int, the calling thread, whether the route was on)."""
+    if units < 1 or max_slots < 1:
+        raise ValueError("units and max_slots must be >= 1")
+    cdef _Probe p
+    cdef int joined, on
+    p.slot = <int*>calloc(units, sizeof(int))
+    p.tid = <pthread_t*>calloc(units, sizeof(pthread_t))
+    p.acc = <double*>calloc(units, sizeof(double))
+    try:
+        if p.slot == NULL or p.tid == NULL or p.acc == NULL:
+            raise MemoryError()
+        on = fx_workers_openmp(route)
+        with nogil:
+            joined = fx_workers_run(_probe_unit, &p, units, max_slots)
+        fx_workers_openmp(0)
+        return (joined, [p.slot[i] for i in range(units)], [p.tid[i] for i in range(units)],
+                pthread_self(), bool(on))
+    finally:
+        free(p.slot)
+        free(p.tid)
+        free(p.acc)
+
+
 def _convert_floor(cnp.ndarray dst not None, cnp.ndarray src not None, Py_ssize_t n_heads,
                    Py_ssize_t head_dim, dtype, Py_ssize_t repeat=1):
     """Convert float32 rows ``src`` (n, n_heads * head_dim) into stored rows

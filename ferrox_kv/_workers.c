@@ -9,6 +9,7 @@
  * virtual machine whose idle vCPU has halted, tens of microseconds more, as
  * much as a decode's unit of work.  Idle pool threads do not spin: between
  * a model's attention calls they would take the cores torch computes on. */
+#define _GNU_SOURCE /* dladdr */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -181,23 +182,26 @@ static void fxw_omp_body(void *arg)
     while ((u = __atomic_fetch_add(&o->next, 1, __ATOMIC_RELAXED)) < o->n) o->fn(o->ctx, u, slot);
 }
 
-FX_API int fx_workers_openmp(const char *path)
+/* Both entry points in one object: a library's dependencies may hold
+   another runtime's.  0 where dladdr cannot tell. */
+static int fxw_same_object(void *a, void *b)
+{
+    Dl_info x, y;
+    return dladdr(a, &x) != 0 && dladdr(b, &y) != 0 && x.dli_fbase == y.dli_fbase;
+}
+
+FX_API int fx_workers_openmp_load(const char *path)
 {
 #ifdef RTLD_NOLOAD
+    void *h, *par, *num;
+    int ok;
     pthread_once(&fxw_once, fxw_init);
-    if (path == NULL || __atomic_load_n(&fxw_forked, __ATOMIC_RELAXED)) {
-        fxw_omp_here = 0;
-        return 0;
-    }
-    {
-        void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD); /* only a runtime already loaded */
-        void *par = h ? dlsym(h, "GOMP_parallel") : NULL, *num = h ? dlsym(h, "omp_get_thread_num") : NULL;
-        int same = 1;
-        if (par == NULL || num == NULL) {
-            if (h) dlclose(h);
-            fxw_omp_here = 0;
-            return 0;
-        }
+    if (path == NULL || __atomic_load_n(&fxw_forked, __ATOMIC_RELAXED)) return 0;
+    h = dlopen(path, RTLD_NOW | RTLD_NOLOAD); /* only a library already loaded */
+    par = h ? dlsym(h, "GOMP_parallel") : NULL;
+    num = h ? dlsym(h, "omp_get_thread_num") : NULL;
+    ok = par != NULL && num != NULL && fxw_same_object(par, num);
+    if (ok) {
         /* the first runtime's handle stays open (it is never unloaded under
            a job); one process routes to one runtime */
         pthread_mutex_lock(&fxw_lock);
@@ -206,21 +210,23 @@ FX_API int fx_workers_openmp(const char *path)
             __atomic_store_n(&fxw_gomp_parallel, (fxw_gomp_parallel_fn *)par, __ATOMIC_RELEASE);
             h = NULL;
         } else {
-            same = (void *)fxw_gomp_parallel == par;
+            ok = (void *)fxw_gomp_parallel == par;
         }
         pthread_mutex_unlock(&fxw_lock);
-        if (h) dlclose(h);
-        if (!same) {
-            fxw_omp_here = 0;
-            return 0;
-        }
     }
-    fxw_omp_here = 1;
-    return 1;
+    if (h) dlclose(h);
+    return ok;
 #else
     (void)path;
     return 0;
 #endif
+}
+
+FX_API int fx_workers_openmp(int on)
+{
+    fxw_omp_here = on && !__atomic_load_n(&fxw_forked, __ATOMIC_RELAXED)
+                   && __atomic_load_n(&fxw_gomp_parallel, __ATOMIC_ACQUIRE) != NULL;
+    return fxw_omp_here;
 }
 
 FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots)
@@ -284,6 +290,7 @@ FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_
 FX_API int fx_workers_set(int n)
 {
     int old;
+    pthread_once(&fxw_once, fxw_init); /* at import: a fork child knows it is one */
     pthread_mutex_lock(&fxw_lock);
     old = __atomic_exchange_n(&fxw_count, n < 1 ? 1 : n, __ATOMIC_RELAXED);
     pthread_cond_broadcast(&fxw_wake); /* threads above the new count exit */

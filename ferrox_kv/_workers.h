@@ -17,8 +17,14 @@
  *     instead (GOMP_parallel of the runtime torch loaded, max_slots
  *     threads).  Those threads spin for milliseconds after each of torch's
  *     regions, so a pool thread would wait for their core; the team's own
- *     threads take the units at once.  The route never starts a runtime,
- *     and is off in a fork child (its team belongs to the parent).
+ *     threads take the units at once.  The team is the calling thread's
+ *     own (the runtime creates it on a thread's first region, with that
+ *     thread's signal mask), so the pool's bound does not cover it: route
+ *     only threads that run torch's operators, whose team exists anyway.
+ *     The call waits for every team thread, even one whose core is busy.
+ *     The route never loads a runtime, and is off in a fork child (its
+ *     team belongs to the parent; the fork handlers are registered by
+ *     fx_workers_set, at import).
  */
 #ifndef FX_WORKERS_H
 #define FX_WORKERS_H
@@ -36,12 +42,19 @@ typedef void fx_unit_fn(void *ctx, ptrdiff_t unit, int slot);
    out may have run none. */
 FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots);
 
-/* Routes this thread's later jobs to the GNU OpenMP runtime at path (a
-   library already loaded: nothing is loaded here); NULL routes them back to
-   the pool.  Returns 1 when the route is on, 0 when it is off (NULL, no
-   such library loaded, no GOMP_parallel in it, another runtime than the
-   one this process routed to first, a fork child, or no dlopen). */
-FX_API int fx_workers_openmp(const char *path);
+/* Finds GOMP_parallel and omp_get_thread_num through the library at path,
+   already loaded (nothing is loaded here), or its dependencies (torch's
+   libtorch_cpu reaches the runtime torch runs on); both must come from one
+   object.  One process routes to one runtime: returns 1 when this one is
+   (now or already) the process's, 0 otherwise (no such library loaded, the
+   entry points missing or in two objects, another runtime already chosen,
+   a fork child, no dlopen). */
+FX_API int fx_workers_openmp_load(const char *path);
+
+/* Routes this thread's later jobs to the loaded runtime's team (on != 0)
+   or to the pool; returns whether the route is on (off without a loaded
+   runtime and in a fork child). */
+FX_API int fx_workers_openmp(int on);
 
 /* Threads a call may use, the caller included (>= 1); returns the old
    count.  Lowering it ends the pool threads above the new count (each once

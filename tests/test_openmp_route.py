@@ -1,7 +1,8 @@
 """Split calls on torch's OpenMP team, the route ferrox_kv.hf takes
-(``attend_on_torch_threads``): the same bits as on the worker pool, the
-team's threads instead of new ones, the route scoped to one call, and off in
-a fork child."""
+(``_attend_on_torch_threads``): the units spread over the team's threads
+with distinct slots, the same bits as on the worker pool, no pool thread
+started, the route scoped to one call, only torch's runtime taken, and off
+in a fork child."""
 import os
 import subprocess
 import sys
@@ -16,16 +17,16 @@ pytest.importorskip("transformers")
 import ferrox_kv  # noqa: E402
 from ferrox_kv import KvBlockPool, KvCache, attend_many  # noqa: E402
 from ferrox_kv import _core  # noqa: E402
-from ferrox_kv.hf.attention import _torch_openmp, attend_on_torch_threads  # noqa: E402
+from ferrox_kv.hf.attention import _attend_on_torch_threads, _torch_openmp  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.backends.openmp.is_available(),
-                                reason="this torch has no OpenMP runtime to route to")
+pytestmark = pytest.mark.skipif(_torch_openmp() is None,
+                                reason="no GNU OpenMP runtime behind this torch to route to")
 
 
 @pytest.fixture
 def threads():
     """Sets ferrox_kv's and torch's thread counts together, forces the split
-    on every call, and restores all three after the test."""
+    on every call, and restores all three (and the route: off) after."""
     old = (ferrox_kv.get_num_threads(), torch.get_num_threads(), _core._set_attend_split(0, 1))
 
     def both(n):
@@ -33,6 +34,7 @@ def threads():
         torch.set_num_threads(n)
 
     yield both
+    _core._openmp_route(False)
     ferrox_kv.set_num_threads(old[0])
     torch.set_num_threads(old[1])
     _core._set_attend_split(*old[2])
@@ -50,63 +52,95 @@ def _bits(a):
     return np.ascontiguousarray(a).view(np.uint32)
 
 
-def _pool_threads_gone():
+def _no_pool_threads(n):
+    """Ends every pool thread (the count lowered to 1, then set to n)."""
     ferrox_kv.set_num_threads(1)
-    for _ in range(500):
+    for _ in range(1000):
         if _core._worker_threads_alive() == 0:
-            return
+            break
         time.sleep(0.01)
-    raise AssertionError("the pool threads did not end")
+    assert _core._worker_threads_alive() == 0
+    ferrox_kv.set_num_threads(n)
 
 
-def test_torchs_runtime_is_found_and_is_gnu_openmp():
+def _wait(pid, seconds=60):
+    """The child's exit status; a child still running after ``seconds`` is
+    killed and the test fails."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the child did not finish within {seconds} s")
+
+
+def test_the_runtime_is_torchs_reached_through_libtorch_cpu():
     path = _torch_openmp()
-    assert path is not None and os.path.basename(path).startswith("libgomp") and os.path.exists(path)
+    assert os.path.basename(path).startswith("libtorch_cpu")
+    assert path.startswith(os.path.dirname(torch.__file__) + os.sep)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_routed_units_spread_over_n_team_threads_with_distinct_slots(threads, n):
+    threads(n)
+    _no_pool_threads(n)
+    for _ in range(5):      # a busy machine may let the caller take every unit: try again
+        joined, slots, tids, caller, on = _core._workers_probe(64, n, True)
+        assert on and joined == n
+        assert set(slots) <= set(range(n))
+        by_thread = {}
+        for s, t in zip(slots, tids):
+            by_thread.setdefault(t, set()).add(s)
+        assert all(len(s) == 1 for s in by_thread.values())       # one slot per thread
+        assert len({next(iter(s)) for s in by_thread.values()}) == len(by_thread)   # distinct
+        assert by_thread.get(caller, {0}) == {0}                   # the caller is slot 0
+        if set(by_thread) - {caller}:
+            break
+    assert set(by_thread) - {caller}                               # a team thread ran units
+    assert _core._worker_threads_alive() == 0                   # the pool stayed empty
+    joined, slots, tids, caller, on = _core._workers_probe(64, n, False)
+    assert not on and _core._worker_threads_alive() == n - 1   # off again: the pool
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_the_route_gives_the_pools_bits_on_n_team_threads(threads, n, dtype):
+def test_the_route_gives_the_pools_bits(threads, n, dtype):
     threads(n)
     caches = [_pooled(t, dtype, seed=t) for t in (37, 200, 2)]
     q = np.random.default_rng(1).standard_normal((3, 2, 8, 64), dtype=np.float32)
     q1 = q[0, 0]
     q1[0, 5] = np.nan                                   # NaN reaches the output as on the pool
     want_many, want_one = attend_many(caches, q), caches[1].attend(q1)
-    assert _core._openmp_route(_torch_openmp())
+    assert _core._openmp_route(True)
     try:
         got_many = attend_many(caches, q)
-        used_many = _core._attend_threads_used()
         got_one = caches[1].attend(q1)
-        used_one = _core._attend_threads_used()
     finally:
-        assert not _core._openmp_route(None)
-    assert used_many == used_one == n
+        assert not _core._openmp_route(False)
     assert np.array_equal(_bits(got_many), _bits(want_many))
     assert np.array_equal(_bits(got_one), _bits(want_one))
     assert np.isnan(got_one[0]).all() and not np.isnan(got_one[1:]).any()
 
 
-def test_a_library_without_the_entry_points_or_not_loaded_leaves_the_pool(threads, tmp_path):
-    threads(2)
-    c = _pooled(100)
-    q = np.ones((8, 64), np.float32)
-    want = c.attend(q)
-    assert not _core._openmp_route(str(tmp_path / "libgomp.so.1"))   # no such file
-    assert not _core._openmp_route(_core.__file__)                   # loaded, no GOMP_parallel
-    assert np.array_equal(_bits(c.attend(q)), _bits(want))
-    assert _core._attend_threads_used() == 2 and _core._worker_threads_alive() == 1
+def test_only_a_library_that_reaches_the_taken_runtime_is_accepted(tmp_path):
+    assert _core._openmp_load(_torch_openmp())                        # taken already: the same
+    assert not _core._openmp_load(str(tmp_path / "libgomp.so.1"))     # not loaded
+    assert not _core._openmp_load(_core.__file__)                     # loaded, no runtime behind
+    with pytest.raises(ValueError, match="NUL"):
+        _core._openmp_load("libgomp\0.so")
 
 
-def test_routed_calls_start_no_pool_thread_and_the_route_ends_with_the_call(threads):
+def test_the_helper_routes_its_call_alone_and_starts_no_pool_thread(threads):
     threads(2)
-    _pool_threads_gone()
-    threads(2)
+    _no_pool_threads(2)
     c = _pooled(300)
     q = np.random.default_rng(2).standard_normal((1, 1, 8, 64), dtype=np.float32)
     want = attend_many([c], q, threads=1)
     for _ in range(5):
-        got = attend_on_torch_threads([c], q)
+        got = _attend_on_torch_threads([c], q)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert _core._attend_threads_used() == 2
     assert _core._worker_threads_alive() == 0            # the team's threads ran the parts
@@ -114,12 +148,23 @@ def test_routed_calls_start_no_pool_thread_and_the_route_ends_with_the_call(thre
     assert _core._worker_threads_alive() == 1
 
 
+def test_the_route_is_off_after_a_call_that_raises(threads):
+    threads(2)
+    c = _pooled(50)
+    with pytest.raises(ValueError, match="q must be shaped"):
+        _attend_on_torch_threads([c], np.ones((8, 64), np.float32))
+    _no_pool_threads(2)
+    c.attend(np.ones((8, 64), np.float32))
+    assert _core._worker_threads_alive() == 1            # the pool ran it: the route was off
+
+
 def test_torch_set_num_threads_bounds_the_routed_call(threads):
     threads(3)
     torch.set_num_threads(2)
+    _no_pool_threads(3)
     c = _pooled(300)
-    attend_on_torch_threads([c], np.ones((1, 1, 8, 64), np.float32))
-    assert _core._attend_threads_used() == 2
+    _attend_on_torch_threads([c], np.ones((1, 1, 8, 64), np.float32))
+    assert _core._attend_threads_used() == 2 and _core._worker_threads_alive() == 0
 
 
 def test_a_fork_child_takes_the_pool_and_the_parent_keeps_the_route(threads):
@@ -127,32 +172,48 @@ def test_a_fork_child_takes_the_pool_and_the_parent_keeps_the_route(threads):
     c = _pooled(500)
     q = np.random.default_rng(3).standard_normal((8, 64), dtype=np.float32)
     want = c.attend(q)
-    path = _torch_openmp()
-    assert _core._openmp_route(path)
-    try:
-        c.attend(q)                                      # the team exists and has run
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                refused = not _core._openmp_route(path)
-                got = c.attend(q)
-                ok = (np.array_equal(_bits(got), _bits(want)) and _core._attend_threads_used() == 2
-                      and _core._worker_threads_alive() == 1)
-                code = 0 if refused and ok else 3
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-        assert np.array_equal(_bits(c.attend(q)), _bits(want))
-        assert _core._openmp_route(path)
-    finally:
-        _core._openmp_route(None)
+    assert _core._openmp_route(True)
+    c.attend(q)                                          # the team exists and has run
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            refused = not _core._openmp_route(True) and not _core._openmp_load(_torch_openmp())
+            got = c.attend(q)
+            ok = (np.array_equal(_bits(got), _bits(want)) and _core._attend_threads_used() == 2
+                  and _core._worker_threads_alive() == 1)
+            code = 0 if refused and ok else 3
+        finally:
+            os._exit(code)
+    status = _wait(pid)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert np.array_equal(_bits(c.attend(q)), _bits(want))
+    assert _core._openmp_route(True)
+
+
+def test_a_child_forked_before_any_split_refuses_the_route():
+    """The fork handlers are registered at import: a parent whose torch ran
+    OpenMP but whose ferrox_kv never split a call still makes children
+    that refuse the route (the team they would wait for is the parent's)."""
+    code = (
+        "import os, sys, torch\n"
+        "torch.set_num_threads(2)\n"
+        "from ferrox_kv import _core\n"
+        "from ferrox_kv.hf.attention import _torch_openmp\n"
+        "torch.ones(4096, 4096).sum()\n"
+        "path = _torch_openmp()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if not _core._openmp_route(True) and not _core._openmp_load(path) else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status), 'parent', _core._openmp_route(True))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "child 0 parent True" in out.stdout, out.stdout
 
 
 def test_ferrox_kv_torch_openmp_0_keeps_the_pool():
-    code = ("import os, torch; from ferrox_kv.hf.attention import _torch_openmp; "
-            "print(_torch_openmp())")
+    code = "import torch; from ferrox_kv.hf.attention import _torch_openmp; print(_torch_openmp())"
     env = dict(os.environ, FERROX_KV_TORCH_OPENMP="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)

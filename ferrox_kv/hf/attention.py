@@ -23,7 +23,7 @@ from transformers.masking_utils import (
 )
 
 from ferrox_kv import attend_many
-from ferrox_kv._core import _openmp_route
+from ferrox_kv._core import _openmp_load, _openmp_route
 
 __all__ = ["ATTENTION", "COMPILE_REFUSED", "SDPA_PREFILL_MIN", "FerroxCompileError",
            "PackedAttention", "ferrox_attention"]
@@ -38,45 +38,52 @@ SDPA_PREFILL_MIN = 1024
 # The attention implementation
 # ---------------------------------------------------------------------------
 
-_OPENMP = []                  # [path or None] once looked up
+_OPENMP = []                  # [torch's library, or None] once looked up
 
 
 def _torch_openmp():
-    """The GNU OpenMP runtime torch runs on in this process (a path), or
-    None: torch built without OpenMP, no such library mapped, more than one
-    and none of them torch's, or ``FERROX_KV_TORCH_OPENMP=0``."""
+    """The library through which torch reaches its OpenMP runtime
+    (libtorch_cpu, a path under torch's directory), once the core has taken
+    that runtime for its split calls (``_openmp_load``); None where torch
+    has no OpenMP, the core refused the runtime (not GNU OpenMP's entry
+    points, a fork child), or ``FERROX_KV_TORCH_OPENMP=0``."""
     if not _OPENMP:
         path = None
         if os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0" and torch.backends.openmp.is_available():
-            found = set()
+            home = os.path.dirname(torch.__file__) + os.sep
             try:
                 with open("/proc/self/maps") as maps:
                     for line in maps:
                         field = line.split(None, 5)
-                        if len(field) == 6 and os.path.basename(field[5].strip()).startswith("libgomp"):
-                            found.add(field[5].strip())
+                        if (len(field) == 6 and field[5].startswith(home)
+                                and os.path.basename(field[5].strip()).startswith("libtorch_cpu")):
+                            path = field[5].strip()
+                            break
             except OSError:
                 pass
-            mine = sorted(p for p in found if p.startswith(os.path.dirname(torch.__file__) + os.sep))
-            path = mine[0] if mine else found.pop() if len(found) == 1 else None
+            if path is not None and not _openmp_load(path):
+                path = None
         _OPENMP.append(path)
     return _OPENMP[0]
 
 
-def attend_on_torch_threads(seqs, q, **kwargs):
+def _attend_on_torch_threads(seqs, q, **kwargs):
     """``attend_many(seqs, q, threads=torch.get_num_threads(), **kwargs)``,
-    split on torch's own OpenMP team where torch has one (the threads its
-    operators run on, which spin for a while after each of them) rather than
-    on ferrox_kv's worker pool, whose threads would wait for those cores.
-    ``FERROX_KV_TORCH_OPENMP=0`` keeps the pool. The route is this call's
-    alone: other calls on the thread use the pool."""
-    path = _torch_openmp()
-    routed = path is not None and _openmp_route(path)
+    split on the calling thread's team of torch's OpenMP runtime where the
+    core took it (``_torch_openmp``) rather than on ferrox_kv's worker pool:
+    torch's OpenMP threads spin for a while after each of torch's operators,
+    so pool threads would wait for their cores, while the team's threads
+    take the units at once. The calling thread runs torch's operators, so
+    its team exists already. The route is this call's alone: it is turned
+    off after (whatever happens), and other calls use the pool."""
+    routed = _torch_openmp() is not None
     try:
+        if routed:
+            _openmp_route(True)
         return attend_many(seqs, q, threads=torch.get_num_threads(), **kwargs)
     finally:
         if routed:
-            _openmp_route(None)
+            _openmp_route(False)
 
 
 class _Mask:
@@ -185,7 +192,7 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     the same kernel, whatever the mask. The
     kernel uses at most ``torch.get_num_threads()`` threads (and at most
     ``ferrox_kv.get_num_threads()``), so ``torch.set_num_threads(k)`` limits
-    both, and splits on torch's OpenMP team (``attend_on_torch_threads``)."""
+    both, and splits on torch's OpenMP team (``_attend_on_torch_threads``)."""
     batch, _, q_len, _ = query.shape
     layer = ferrox_layer
     if layer is not None:
@@ -212,7 +219,7 @@ def ferrox_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             starts = _left_padding(mask.padding, kv_len)
             if starts is not None or mask.padding is None:
                 q = query.detach().to("cpu", torch.float32).transpose(1, 2).contiguous().numpy()
-                out = torch.from_numpy(attend_on_torch_threads(layer.seqs, q, scale=scaling,
+                out = torch.from_numpy(_attend_on_torch_threads(layer.seqs, q, scale=scaling,
                                                                window=sliding_window, start=starts))
                 return out.to(device=query.device, dtype=query.dtype), None
         if not fresh:                                     # update handed back placeholders

@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache
 
 from ferrox_kv import KvCache
 from ferrox_kv._core import _extend_each
-from ferrox_kv.hf.attention import PackedAttention, attend_on_torch_threads
+from ferrox_kv.hf.attention import PackedAttention, _attend_on_torch_threads
 from ferrox_kv.hf.cache import _rows, _SeqsLayer
 
 __all__ = ["PackedCache", "PackedLayer"]
@@ -72,8 +72,8 @@ class PackedLayer(_SeqsLayer, PackedAttention):
         def one(seqs, a, b):
             n = len(seqs)
             shape = (n, (b - a) // n)
-            attend_on_torch_threads(seqs, q[a:b].reshape(shape + q.shape[1:]), scale=scale, window=window,
-                                    out=out[a:b].reshape(shape + out.shape[1:]))
+            _attend_on_torch_threads(seqs, q[a:b].reshape(shape + q.shape[1:]), scale=scale,
+                                     window=window, out=out[a:b].reshape(shape + out.shape[1:]))
 
         self._by_sequence(one)
         return torch.from_numpy(out)[None]
