@@ -169,6 +169,9 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
         _release_all(cs, n)
 
 
+from posix.unistd cimport usleep
+
+
 cdef struct _Probe:
     int* slot
     pthread_t* tid
@@ -180,8 +183,10 @@ cdef void _probe_unit(void* ctx, Py_ssize_t u, int slot) noexcept nogil:
     cdef int i
     p.slot[u] = slot
     p.tid[u] = pthread_self()
-    for i in range(20000):                   # long enough for the other threads to take units
+    for i in range(20000):
         p.acc[u] += i * 1e-9
+    if slot == 0:
+        usleep(1000)                         # the caller yields its core: the others take units
 
 
 def _workers_probe(Py_ssize_t units, int max_slots, bint route):
