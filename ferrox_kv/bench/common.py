@@ -122,6 +122,12 @@ def thread_counts(args):
     return [1] if n <= 1 else [1, n]
 
 
+def thread_tag(n):
+    """What names a row or target taken at ``n`` threads begin with ("" at
+    one thread)."""
+    return "" if n == 1 else f"[{n} threads] "
+
+
 # ---------------------------------------------------------------------------
 # A group, and what its runner gets
 # ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (ATTN_DIM, ATTN_HEADS, ATTN_KV_HEADS, BLOCK_SIZE, Group,
-                                    Threads, heads_first, log, thread_counts)
+                                    Threads, heads_first, log, thread_counts, thread_tag)
 from ferrox_kv.bench.harness import best_of, loops_for, scaling
 from ferrox_kv.bench.targets import Figure, Target
 
@@ -29,7 +29,7 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch, threads=1):
     ``threads`` threads (torch and the floor too); the 2-Python-thread rows
     at 1 only."""
     H, KVH, D = ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM
-    tag = "" if threads == 1 else f"[{threads} threads] "
+    tag = thread_tag(threads)
     geo = "llama8b"
     g = "attention"
     F = torch.nn.functional if torch is not None else None
@@ -252,7 +252,7 @@ def targets(res):
         T, n = r["context"], r.get("threads", 1)
         at = {"context": T, "threads": n}
         if n > 1:
-            lead = f"[{n} threads] "
+            lead = thread_tag(n)
             if r["slug"] == "attention.attend.vs_sdpa":
                 out.append(Target(lead + f"attend vs SDPA at {n} threads @ {T}", r["slug"],
                                   "<=" if T >= 2048 else "info", 0.5 if T >= 2048 else None, at))

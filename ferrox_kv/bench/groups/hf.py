@@ -3,7 +3,7 @@
 ``DynamicCache`` and ``StaticCache`` with SDPA (transformers' default
 attention), at 1 and N torch threads (the ferrox attention follows torch's
 count). Needs torch and transformers (the model: ``llama.py``)."""
-from ferrox_kv.bench.common import Group, Threads, log, thread_counts
+from ferrox_kv.bench.common import Group, Threads, log, thread_counts, thread_tag
 from ferrox_kv.bench.targets import Figure, Target
 
 
@@ -22,7 +22,7 @@ def bench_hf(res, contexts, quick=False, log=print, threads=1):
     layers, h, d = kv_geometry(cfg)
     g = "hf"
     geo = f"llama-{layers}L"
-    tag = "" if threads == 1 else f"[{threads} threads] "
+    tag = thread_tag(threads)
     first = torch.tensor([[7]])
     # a decode step reads every weight once (matrix-vector products) except
     # the embedding table, of which it reads one row
@@ -77,7 +77,7 @@ def targets(res):
     out = []
     for r in res.rows:
         n = r.get("threads", 1)
-        lead = "" if n == 1 else f"[{n} threads] "
+        lead = thread_tag(n)
         if r["slug"] == "hf.ferrox.vs_dynamic":
             T = r["context"]
             goal = (GOALS if n == 1 else GOALS_N).get(T)

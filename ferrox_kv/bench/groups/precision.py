@@ -23,7 +23,7 @@ import numpy as np
 
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (BLOCK_SIZE, Group, Threads, Torch1, heads_first, log, thread_counts,
-                                    try_import)
+                                    thread_tag, try_import)
 from ferrox_kv.bench.harness import best_of, loops_for
 from ferrox_kv.bench.targets import Target
 
@@ -139,7 +139,7 @@ def _decode_rows(res, contexts, reps, quick, rng, wide, threads, torch=None):
     the 16- against the 8-float path too; with torch, float32 and bfloat16
     against SDPA in that dtype (torch on ``threads`` threads too)."""
     g = "precision"
-    tag = "" if threads == 1 else f"[{threads} threads] "
+    tag = thread_tag(threads)
     for T in contexts:
         K = rng.standard_normal((T, KVH, D), dtype=np.float32)
         V = rng.standard_normal((T, KVH, D), dtype=np.float32)
@@ -221,7 +221,7 @@ def bench_hf_bf16(res, contexts, quick=False, threads=1):
     layers, h, d = kv_geometry(cfg)
     first = torch.tensor([[7]])
     floor = None
-    tag = "" if threads == 1 else f"[{threads} threads] "
+    tag = thread_tag(threads)
     for ctx in [FLOOR_CONTEXT] + list(contexts):
         max_len = ctx + tokens + 2
         gen = torch.Generator().manual_seed(ctx)
@@ -288,6 +288,11 @@ def _at_width(width, fn):
         _core._set_attend_max_width(old)
 
 
+def _more_threads(res, slug):
+    """The thread counts above one that rows ``slug`` of this run ran at."""
+    return sorted({r.get("threads", 1) for r in res.rows if r["slug"] == slug} - {1})
+
+
 def targets(res):
     out = [Target("bytes per position, float16 vs float32", "precision.bytes.float16", "<=", 0.5,
                   where={"dtype": "float16"}),
@@ -317,20 +322,19 @@ def targets(res):
         out.append(Target(f"decode attend @ 8192, {dt} vs its read floor",
                           f"precision.attend_floor.{dt}", "<=", 1.3,
                           where={"dtype": dt, "context": 8192, "threads": 1}))
-    for n in sorted({r.get("threads", 1) for r in res.rows
-                     if r["slug"] == "precision.attend.float32"} - {1}):
+    for n in _more_threads(res, "precision.attend.float32"):
         for dt, goal in _ATTEND_GOAL_N.items():
-            out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs float32",
+            out.append(Target(thread_tag(n) + f"decode attend @ 8192, {dt} vs float32",
                               f"precision.attend.{dt}", "<=", goal,
                               where={"dtype": dt, "context": 8192, "threads": n}))
         for dt in DTYPES:
-            out.append(Target(f"[{n} threads] decode attend @ 8192, {dt} vs its {n}-thread read floor",
+            out.append(Target(thread_tag(n) + f"decode attend @ 8192, {dt} vs its {n}-thread read floor",
                               f"precision.attend_floor.{dt}", "<=", 1.5 if dt == "float32" else 2.0,
                               where={"dtype": dt, "context": 8192, "threads": n}))
         # (rows only with torch; at 1 thread the attention group's goal holds)
         for dt in ("float32", "bfloat16"):
             for ctx in (2048, 8192):
-                out.append(Target(f"[{n} threads] decode attend @ {ctx}, {dt}, vs SDPA in {dt} at {n}",
+                out.append(Target(thread_tag(n) + f"decode attend @ {ctx}, {dt}, vs SDPA in {dt} at {n}",
                                   f"precision.attend_sdpa.{dt}", "<=", 0.5,
                                   where={"dtype": dt, "context": ctx, "threads": n}))
     for dt in DTYPES:
@@ -342,9 +346,9 @@ def targets(res):
     for ctx, goal in ((2048, 0.6), (8192, 0.3)):
         out.append(Target(f"bf16 model per token @ {ctx}, FerroxCache vs DynamicCache",
                           "precision.hf_bf16", "<=", goal, where={"context": ctx, "threads": 1}))
-    for n in sorted({r.get("threads", 1) for r in res.rows if r["slug"] == "precision.hf_bf16"} - {1}):
+    for n in _more_threads(res, "precision.hf_bf16"):
         for ctx, goal in ((2048, 0.6), (8192, 0.2)):   # issue 23's hf goals, at N threads
-            out.append(Target(f"[{n} threads] bf16 model per token @ {ctx}, FerroxCache vs DynamicCache",
+            out.append(Target(thread_tag(n) + f"bf16 model per token @ {ctx}, FerroxCache vs DynamicCache",
                               "precision.hf_bf16", "<=", goal, where={"context": ctx, "threads": n}))
     return out
 
