@@ -630,10 +630,13 @@ FX_INLINE void fxa_pack_head(const fxa_rows *c, int n, int g, int hd, int dv, fl
         fxa_v8 t[8];
         for (i = 0; i < 8; i++) {
             float *own = krow + (size_t)i * (size_t)hd;
-            if (r + i >= n) memset(own, 0, (size_t)hd * sizeof(float));
-            else if (dt == FX_F32) own = NULL;
-            else fxa_unpack_slice(own, c->k[r + i], c->ks[r + i], g, hd, dt);
-            src[i] = own ? own : (const float *)(const void *)c->k[r + i] + (size_t)g * (size_t)hd;
+            if (r + i < n && dt == FX_F32) {
+                src[i] = (const float *)(const void *)c->k[r + i] + (size_t)g * (size_t)hd;
+                continue;
+            }
+            if (r + i < n) fxa_unpack_slice(own, c->k[r + i], c->ks[r + i], g, hd, dt);
+            else memset(own, 0, (size_t)hd * sizeof(float));
+            src[i] = own;
         }
         for (d = 0; d + 8 <= hd; d += 8) {
             for (i = 0; i < 8; i++) t[i] = fxa_load(src[i] + d);

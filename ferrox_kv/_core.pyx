@@ -53,6 +53,7 @@ cimport cython
 from libc.stdint cimport int32_t, uint16_t, uint64_t, INT32_MAX
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcmp, memcpy, memmove, memset
+from posix.unistd cimport usleep
 
 cimport numpy as cnp
 import os

@@ -169,9 +169,6 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
         _release_all(cs, n)
 
 
-from posix.unistd cimport usleep
-
-
 cdef struct _Probe:
     int* slot
     pthread_t* tid
