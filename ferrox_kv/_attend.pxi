@@ -133,6 +133,77 @@ def _openmp_route(bint on):
     return bool(fx_workers_openmp(on))
 
 
+def _openmp_routed():
+    """Whether this thread's split calls take the OpenMP route now."""
+    return bool(fx_workers_openmp_on())
+
+
+# torch's library path once the core took its OpenMP runtime; False: none.
+cdef object _torch_omp = None
+
+
+def _torch_openmp():
+    """The library through which torch reaches its OpenMP runtime
+    (libtorch_cpu, a path under torch's directory), once the core has taken
+    that runtime for its split calls (``_openmp_load``); None while torch is
+    not imported, and where torch has no OpenMP, the core refused the
+    runtime (not GNU OpenMP's entry points, a fork child), or
+    ``FERROX_KV_TORCH_OPENMP=0``. Looked up once, on the first call after
+    torch is imported; nothing is imported here."""
+    global _torch_omp
+    if _torch_omp is None:
+        torch = sys.modules.get("torch")
+        try:
+            usable = torch is not None and bool(torch.backends.openmp.is_available())
+        except AttributeError:          # torch still importing: look again later
+            return None
+        if torch is None:
+            return None
+        path = None
+        if usable and os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0":
+            home = os.path.dirname(torch.__file__) + os.sep
+            try:
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        field = line.split(None, 5)
+                        if (len(field) == 6 and field[5].startswith(home)
+                                and os.path.basename(field[5].strip()).startswith("libtorch_cpu")):
+                            path = field[5].strip()
+                            break
+            except OSError:
+                pass
+        _torch_omp = path if path is not None and _openmp_load(path) else False
+    return _torch_omp or None
+
+
+# Whether the main thread's split calls take torch's team (_route_main).
+cdef bint _main_routes = True
+
+
+def _set_route_main(bint on):
+    """Test hook: whether the main thread's split calls take torch's team
+    once torch is imported (the default); returns the old setting."""
+    global _main_routes
+    old = _main_routes
+    _main_routes = on
+    return old
+
+
+cdef int _route_main(int nthreads) except -1:
+    """Turns the OpenMP route on for a split call (``nthreads`` > 1) made
+    from the main thread once torch is imported, where torch's operators
+    run in most programs: its team of torch's threads is there anyway, and
+    spins for milliseconds after each operator, so pool threads would wait
+    for those cores. Returns 1 where this call turned the route on (the
+    caller turns it off after), 0 where it is already on (``ferrox_kv.hf``)
+    or stays off: other threads, no torch, ``FERROX_KV_TORCH_OPENMP=0``."""
+    if nthreads < 2 or not _main_routes or fx_workers_openmp_on():
+        return 0
+    if threading.get_ident() != threading.main_thread().ident or _torch_openmp() is None:
+        return 0
+    return fx_workers_openmp(1)
+
+
 def _worker_threads_alive():
     """Worker threads alive in this process (created on first use)."""
     return fx_workers_alive()
@@ -161,7 +232,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     cdef cnp.ndarray qa = _f32(q, "q")
     cdef Py_ssize_t n = len(cl), i, b, win = 0, q_len, nh, hd, lead, split_bytes, chunk_rows
     cdef Py_ssize_t first
-    cdef int nthreads = fx_workers_get(), rc = 0
+    cdef int nthreads = fx_workers_get(), rc = 0, routed = 0
     if threads is not None:
         nthreads = min(nthreads, <int>_thread_count(threads, "threads"))
     cdef double sc = 0.0
@@ -294,8 +365,13 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         if nthreads > 1 and <Py_ssize_t>ctx_bytes < split_bytes:
             nthreads = 1
         if <Py_ssize_t>ctx_bytes >= _attend_release_bytes or nthreads > 1:
-            with nogil:
-                rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads)
+            routed = _route_main(nthreads)
+            try:
+                with nogil:
+                    rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads)
+            finally:
+                if routed:
+                    fx_workers_openmp(0)
         else:
             rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, 1)
         if rc < 0:

@@ -113,6 +113,7 @@ cdef extern from "_workers.h" nogil:
     int fx_workers_alive()
     int fx_workers_openmp_load(const char* path)
     int fx_workers_openmp(int on)
+    int fx_workers_openmp_on()
 
 # The thread running a worker unit (the tests' probe of who ran what).
 cdef extern from "<pthread.h>" nogil:

@@ -57,6 +57,8 @@ from posix.unistd cimport usleep
 
 cimport numpy as cnp
 import os
+import sys
+import threading
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds as _byte_bounds

@@ -119,11 +119,14 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
     whose bytes are not a multiple of 4 are skipped) (through its block table
     when pooled), ``repeat`` times, in C without the GIL; on ``threads``
     threads (the worker pool, as attention uses it) the runs of rows are
-    shared out. Returns the sum (so nothing is optimised away)."""
+    shared out (on torch's team where attention's split would be: the main
+    thread once torch is imported). Returns the sum (so nothing is optimised
+    away)."""
     cdef tuple cl = tuple(caches)
     cdef Py_ssize_t n = len(cl), i, k, r, m, total = 0
     cdef Cache** cs = _claim_all(cl, "caches")
     cdef float acc = 0
+    cdef int routed = 0
     cdef _FloorRuns f
     f.p = NULL
     f.n = NULL
@@ -156,9 +159,14 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
                 f.n[f.runs + 1] = <Py_ssize_t>(m * cs[i].v_row // 4)
                 f.runs += 2
                 r += m
-        with nogil:
-            for k in range(repeat):
-                fx_workers_run(_floor_unit, &f, f.runs, threads)
+        routed = _route_main(threads)          # where attention's split would run
+        try:
+            with nogil:
+                for k in range(repeat):
+                    fx_workers_run(_floor_unit, &f, f.runs, threads)
+        finally:
+            if routed:
+                fx_workers_openmp(0)
         for k in range(threads):
             acc += f.acc[16 * k]
         return acc

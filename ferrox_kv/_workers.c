@@ -229,6 +229,8 @@ FX_API int fx_workers_openmp(int on)
     return fxw_omp_here;
 }
 
+FX_API int fx_workers_openmp_on(void) { return fxw_omp_here; }
+
 FX_API int fx_workers_run(fx_unit_fn *fn, void *ctx, ptrdiff_t n_units, int max_slots)
 {
     fxw_job j;

@@ -21,6 +21,9 @@
  *     own (the runtime creates it on a thread's first region, with that
  *     thread's signal mask), so the pool's bound does not cover it: route
  *     only threads that run torch's operators, whose team exists anyway.
+ *     The core routes the main thread's split calls once torch is
+ *     imported (the thread where torch's operators run in most programs),
+ *     and ferrox_kv.hf the thread that runs a model's forward.
  *     The call waits for every team thread, even one whose core is busy.
  *     The route never loads a runtime, and is off in a fork child (its
  *     team belongs to the parent; the fork handlers are registered by
@@ -55,6 +58,9 @@ FX_API int fx_workers_openmp_load(const char *path);
    or to the pool; returns whether the route is on (off without a loaded
    runtime and in a fork child). */
 FX_API int fx_workers_openmp(int on);
+
+/* Whether this thread's jobs take the route now. */
+FX_API int fx_workers_openmp_on(void);
 
 /* Threads a call may use, the caller included (>= 1); returns the old
    count.  Lowering it ends the pool threads above the new count (each once

@@ -37,6 +37,18 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
+@pytest.fixture(autouse=True)
+def pool_on_the_main_thread():
+    """The tests' split calls run on ferrox_kv's worker pool from every
+    thread. Once torch is imported, the main thread's would run on torch's
+    OpenMP team instead; tests/test_openmp_route.py turns that back on
+    (``main_routes``) where it tests it."""
+    from ferrox_kv import _core
+    old = _core._set_route_main(False)
+    yield
+    _core._set_route_main(old)
+
+
 @pytest.fixture
 def make_rows():
     return rows

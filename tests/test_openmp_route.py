@@ -1,11 +1,13 @@
 """Split calls on torch's OpenMP team, the route ferrox_kv.hf takes
-(``_attend_on_torch_threads``): the units spread over the team's threads
-with distinct slots, the same bits as on the worker pool, no pool thread
-started, the route scoped to one call, only torch's runtime taken, and off
-in a fork child."""
+(``_attend_on_torch_threads``) and the core takes for the main thread once
+torch is imported: the units spread over the team's threads with distinct
+slots, the same bits as on the worker pool, no pool thread started, the
+route scoped to one call, other threads on the pool, only torch's runtime
+taken, and off in a fork child."""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -46,6 +48,24 @@ def _pooled(t, dtype="float32", seed=0, h=4, d=64, block=16):
     c.extend(rng.standard_normal((t, h, d), dtype=np.float32),
              rng.standard_normal((t, h, d), dtype=np.float32))
     return c
+
+
+@pytest.fixture
+def main_routes():
+    """The main thread's split calls take torch's team, as outside the
+    tests (conftest.py turns that off for every other test)."""
+    old = _core._set_route_main(True)
+    yield
+    _core._set_route_main(old)
+
+
+def _on_another_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(60)
+    assert out, "the call on another thread did not finish"
+    return out[0]
 
 
 def _bits(a):
@@ -220,3 +240,86 @@ def test_ferrox_kv_torch_openmp_0_keeps_the_pool(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_main_threads_split_calls_take_torchs_team_with_the_pools_bits(threads, main_routes, dtype):
+    threads(2)
+    _no_pool_threads(2)
+    caches = [_pooled(t, dtype, seed=t) for t in (300, 41)]
+    q = np.random.default_rng(4).standard_normal((2, 1, 8, 64), dtype=np.float32)
+    got_one, got_many = caches[0].attend(q[0, 0]), attend_many(caches, q)
+    assert _core._attend_threads_used() == 2
+    assert _core._worker_threads_alive() == 0            # torch's team ran the parts
+    assert not _core._openmp_routed()                    # this call's alone
+    want_one = _on_another_thread(lambda: caches[0].attend(q[0, 0]))
+    assert _core._worker_threads_alive() == 1            # another thread: the pool
+    want_many = _on_another_thread(lambda: attend_many(caches, q))
+    assert np.array_equal(_bits(got_one), _bits(want_one))
+    assert np.array_equal(_bits(got_many), _bits(want_many))
+
+
+def test_the_read_floor_splits_where_attention_does(threads, main_routes):
+    threads(2)
+    _no_pool_threads(2)
+    c = _pooled(300)
+    _core._read_floor([c], 1, 2)
+    assert _core._worker_threads_alive() == 0 and not _core._openmp_routed()
+    _on_another_thread(lambda: _core._read_floor([c], 1, 2))
+    assert _core._worker_threads_alive() == 1
+
+
+def test_a_main_thread_call_that_raises_leaves_the_route_off(threads, main_routes):
+    threads(2)
+    c = _pooled(300)
+    with pytest.raises(ValueError, match="not a multiple of the cache's n_kv_heads"):
+        c.attend(np.ones((3, 64), np.float32))
+    with pytest.raises(ValueError, match="q must be shaped"):
+        _attend_on_torch_threads([c], np.ones((8, 64), np.float32))
+    assert not _core._openmp_routed()
+    c.attend(np.ones((8, 64), np.float32))
+    assert not _core._openmp_routed()
+
+
+def test_the_helper_on_the_main_thread_leaves_the_route_off_after(threads, main_routes):
+    threads(2)
+    _no_pool_threads(2)
+    c = _pooled(300)
+    _attend_on_torch_threads([c], np.ones((1, 1, 8, 64), np.float32))
+    assert _core._attend_threads_used() == 2 and _core._worker_threads_alive() == 0
+    assert not _core._openmp_routed()
+
+
+def test_one_thread_never_routes(threads, main_routes):
+    threads(1)
+    c = _pooled(300)
+    c.attend(np.ones((8, 64), np.float32))
+    assert _core._attend_threads_used() == 1 and not _core._openmp_routed()
+
+
+@pytest.mark.parametrize("env, pool_threads", [(None, 0), ("0", 1)])
+def test_a_program_that_imports_torch_splits_on_its_team_unless_told_not_to(tmp_path, env, pool_threads):
+    """A whole program, no test hook: with torch imported, the main
+    thread's split ``attend`` runs on torch's team and starts no pool
+    thread; ``FERROX_KV_TORCH_OPENMP=0`` keeps the pool."""
+    code = (
+        "import numpy as np, torch, ferrox_kv\n"
+        "from ferrox_kv import KvCache, _core\n"
+        "torch.set_num_threads(2); ferrox_kv.set_num_threads(2)\n"
+        "c = KvCache.with_capacity(8, 128, 2048)\n"
+        "rng = np.random.default_rng(0)\n"
+        "c.extend(rng.standard_normal((2048, 8, 128), dtype=np.float32),\n"
+        "         rng.standard_normal((2048, 8, 128), dtype=np.float32))\n"
+        "torch.ones(1 << 20).sum()\n"
+        "out = c.attend(rng.standard_normal((32, 128), dtype=np.float32))\n"
+        "assert np.isfinite(out).all()\n"
+        "print(_core._attend_threads_used(), _core._worker_threads_alive())\n")
+    environ = dict(os.environ)
+    environ.pop("FERROX_KV_TORCH_OPENMP", None)
+    if env is not None:
+        environ["FERROX_KV_TORCH_OPENMP"] = env
+    out = subprocess.run([sys.executable, "-c", code], env=environ, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    used, alive = out.stdout.split()
+    assert (int(used), int(alive)) == (2, pool_threads), out.stdout

@@ -11,7 +11,6 @@ package docstring says when). Importing this module registers both under
 from __future__ import annotations
 
 import abc
-import os
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -23,7 +22,7 @@ from transformers.masking_utils import (
 )
 
 from ferrox_kv import attend_many
-from ferrox_kv._core import _openmp_load, _openmp_route
+from ferrox_kv._core import _openmp_route, _openmp_routed, _torch_openmp
 
 __all__ = ["ATTENTION", "COMPILE_REFUSED", "SDPA_PREFILL_MIN", "FerroxCompileError",
            "PackedAttention", "ferrox_attention"]
@@ -38,34 +37,6 @@ SDPA_PREFILL_MIN = 1024
 # The attention implementation
 # ---------------------------------------------------------------------------
 
-_OPENMP = []                  # [torch's library, or None] once looked up
-
-
-def _torch_openmp():
-    """The library through which torch reaches its OpenMP runtime
-    (libtorch_cpu, a path under torch's directory), once the core has taken
-    that runtime for its split calls (``_openmp_load``); None where torch
-    has no OpenMP, the core refused the runtime (not GNU OpenMP's entry
-    points, a fork child), or ``FERROX_KV_TORCH_OPENMP=0``."""
-    if not _OPENMP:
-        path = None
-        if os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0" and torch.backends.openmp.is_available():
-            home = os.path.dirname(torch.__file__) + os.sep
-            try:
-                with open("/proc/self/maps") as maps:
-                    for line in maps:
-                        field = line.split(None, 5)
-                        if (len(field) == 6 and field[5].startswith(home)
-                                and os.path.basename(field[5].strip()).startswith("libtorch_cpu")):
-                            path = field[5].strip()
-                            break
-            except OSError:
-                pass
-            if path is not None and not _openmp_load(path):
-                path = None
-        _OPENMP.append(path)
-    return _OPENMP[0]
-
 
 def _attend_on_torch_threads(seqs, q, **kwargs):
     """``attend_many(seqs, q, threads=torch.get_num_threads(), **kwargs)``,
@@ -74,9 +45,11 @@ def _attend_on_torch_threads(seqs, q, **kwargs):
     torch's OpenMP threads spin for a while after each of torch's operators,
     so pool threads would wait for their cores, while the team's threads
     take the units at once. The calling thread runs torch's operators, so
-    its team exists already. The route is this call's alone: it is turned
-    off after (whatever happens), and other calls use the pool."""
-    routed = _torch_openmp() is not None
+    its team exists already. The route is this call's alone: turned on
+    here, it is turned off after (whatever happens). The core routes the
+    main thread's calls itself; this serves the thread that runs the model
+    wherever it is."""
+    routed = _torch_openmp() is not None and not _openmp_routed()
     try:
         if routed:
             _openmp_route(True)
