@@ -163,7 +163,7 @@ def _torch_openmp():
         if usable and os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0":
             home = os.path.dirname(torch.__file__) + os.sep
             try:
-                with open("/proc/self/maps") as maps:
+                with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
                     for line in maps:
                         field = line.split(None, 5)
                         if (len(field) == 6 and field[5].startswith(home)
@@ -194,12 +194,17 @@ cdef int _route_main(int nthreads) except -1:
     from the main thread once torch is imported, where torch's operators
     run in most programs: its team of torch's threads is there anyway, and
     spins for milliseconds after each operator, so pool threads would wait
-    for those cores. Returns 1 where this call turned the route on (the
-    caller turns it off after), 0 where it is already on (``ferrox_kv.hf``)
-    or stays off: other threads, no torch, ``FERROX_KV_TORCH_OPENMP=0``."""
+    for those cores. Only for a call of at most ``torch.get_num_threads()``
+    threads, so that the team holds no thread torch would not make. Returns
+    1 where this call turned the route on (the caller turns it off after),
+    0 where it is already on (``ferrox_kv.hf``) or stays off: other
+    threads, no torch, more threads than torch's,
+    ``FERROX_KV_TORCH_OPENMP=0``."""
     if nthreads < 2 or not _main_routes or fx_workers_openmp_on():
         return 0
     if threading.get_ident() != threading.main_thread().ident or _torch_openmp() is None:
+        return 0
+    if nthreads > sys.modules["torch"].get_num_threads():
         return 0
     return fx_workers_openmp(1)
 

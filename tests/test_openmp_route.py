@@ -290,6 +290,17 @@ def test_the_helper_on_the_main_thread_leaves_the_route_off_after(threads, main_
     assert not _core._openmp_routed()
 
 
+def test_a_main_thread_call_wider_than_torchs_team_takes_the_pool(threads, main_routes):
+    threads(3)
+    torch.set_num_threads(2)
+    _no_pool_threads(3)
+    c = _pooled(300)
+    c.attend(np.ones((8, 64), np.float32))
+    assert _core._attend_threads_used() == 3 and _core._worker_threads_alive() == 2
+    c.attend(np.ones((8, 64), np.float32), threads=2)   # within torch's 2: the team
+    assert _core._attend_threads_used() == 2 and _core._worker_threads_alive() == 2
+
+
 def test_one_thread_never_routes(threads, main_routes):
     threads(1)
     c = _pooled(300)
