@@ -139,7 +139,25 @@ def _openmp_routed():
 
 
 # torch's library path once the core took its OpenMP runtime; False: none.
+# Read and written under _torch_omp_lock (free-threaded builds included).
 cdef object _torch_omp = None
+_torch_omp_lock = threading.Lock()
+
+
+def _mapped_under(home, prefix):
+    """The path of a library mapped into this process from directory
+    ``home`` whose name starts with ``prefix``, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
+            for line in maps:
+                field = line.split(None, 5)
+                if len(field) == 6 and field[5].startswith(home):
+                    path = field[5].strip()
+                    if os.path.basename(path).startswith(prefix):
+                        return path
+    except OSError:
+        pass
+    return None
 
 
 def _torch_openmp():
@@ -148,35 +166,31 @@ def _torch_openmp():
     that runtime for its split calls (``_openmp_load``); None while torch is
     not imported, and where torch has no OpenMP, the core refused the
     runtime (not GNU OpenMP's entry points, a fork child), or
-    ``FERROX_KV_TORCH_OPENMP=0``. Looked up once, on the first call after
-    torch is imported; nothing is imported here."""
+    ``FERROX_KV_TORCH_OPENMP=0``. Looked up once, on the first call that
+    finds torch imported (an hf attention call, or a split call of the main
+    thread); nothing is imported here, and nothing raises: anything odd
+    about the ``torch`` module means no route."""
     global _torch_omp
-    if _torch_omp is None:
-        torch = sys.modules.get("torch")
-        try:
-            usable = torch is not None and bool(torch.backends.openmp.is_available())
-        except AttributeError:          # torch still importing: look again later
-            return None
-        if torch is None:
-            return None
-        path = None
-        if usable and os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0":
-            home = os.path.dirname(torch.__file__) + os.sep
+    with _torch_omp_lock:
+        if _torch_omp is None:
+            torch = sys.modules.get("torch")
+            if not isinstance(torch, types.ModuleType):
+                return None
             try:
-                with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
-                    for line in maps:
-                        field = line.split(None, 5)
-                        if (len(field) == 6 and field[5].startswith(home)
-                                and os.path.basename(field[5].strip()).startswith("libtorch_cpu")):
-                            path = field[5].strip()
-                            break
-            except OSError:
-                pass
-        _torch_omp = path if path is not None and _openmp_load(path) else False
-    return _torch_omp or None
+                usable = bool(torch.backends.openmp.is_available())
+                home = os.path.join(os.path.realpath(os.path.dirname(torch.__file__)), "")
+            except AttributeError:      # torch still importing: look again later
+                return None
+            except Exception:
+                usable = False
+            path = None
+            if usable and os.environ.get("FERROX_KV_TORCH_OPENMP", "1") != "0":
+                path = _mapped_under(home, "libtorch_cpu")
+            _torch_omp = path if path is not None and _openmp_load(path) else False
+        return _torch_omp or None
 
 
-# Whether the main thread's split calls take torch's team (_route_main).
+# Whether the main thread's split calls take torch's team (_route_width).
 cdef bint _main_routes = True
 
 
@@ -189,22 +203,31 @@ def _set_route_main(bint on):
     return old
 
 
-cdef int _route_main(int nthreads) except -1:
-    """Turns the OpenMP route on for a split call (``nthreads`` > 1) made
-    from the main thread once torch is imported, where torch's operators
-    run in most programs: its team of torch's threads is there anyway, and
+cdef int _route_width():
+    """The most threads a split call of this thread may run on torch's
+    OpenMP team: ``torch.get_num_threads()`` on the main thread once torch
+    is imported, where torch's operators run in most programs (its team
     spins for milliseconds after each operator, so pool threads would wait
-    for those cores. Only for a call of at most ``torch.get_num_threads()``
-    threads, so that the team holds no thread torch would not make. Returns
-    1 where this call turned the route on (the caller turns it off after),
-    0 where it is already on (``ferrox_kv.hf``) or stays off: other
-    threads, no torch, more threads than torch's,
-    ``FERROX_KV_TORCH_OPENMP=0``."""
-    if nthreads < 2 or not _main_routes or fx_workers_openmp_on():
+    for those cores), so that the team holds no thread torch would not
+    make; 0 (the pool) on other threads, without torch, with
+    ``FERROX_KV_TORCH_OPENMP=0``, and where anything about torch is odd.
+    Never raises. Called before a call claims its caches: it runs Python."""
+    if not _main_routes or threading.get_ident() != threading.main_thread().ident:
         return 0
-    if threading.get_ident() != threading.main_thread().ident or _torch_openmp() is None:
+    if _torch_openmp() is None:
         return 0
-    if nthreads > sys.modules["torch"].get_num_threads():
+    try:
+        return max(0, min(int(sys.modules["torch"].get_num_threads()), 1 << 16))
+    except Exception:
+        return 0
+
+
+cdef inline int _route_on(int nthreads, int width) noexcept:
+    """Turns the route on for a split call of ``nthreads`` within
+    ``width`` (``_route_width``); returns 1 where it did (the caller turns
+    it off after), 0 where the call stays on the pool or the route was on
+    already (``ferrox_kv.hf``, which turns it off itself)."""
+    if nthreads < 2 or nthreads > width or fx_workers_openmp_on():
         return 0
     return fx_workers_openmp(1)
 
@@ -254,6 +277,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         if starts.dtype.kind not in "iu" or starts.ndim != batched:
             raise TypeError("start must be an integer" + (" per sequence" if batched else ""))
         starts = starts.astype(np.int64).reshape(-1)
+    cdef int width = _route_width()     # torch's team's width (runs Python: before the claim)
     cdef cnp.ndarray oa = None
     if out is not None:
         if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_FLOAT32
@@ -370,7 +394,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         if nthreads > 1 and <Py_ssize_t>ctx_bytes < split_bytes:
             nthreads = 1
         if <Py_ssize_t>ctx_bytes >= _attend_release_bytes or nthreads > 1:
-            routed = _route_main(nthreads)
+            routed = _route_on(nthreads, width)
             try:
                 with nogil:
                     rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads)

@@ -59,6 +59,7 @@ cimport numpy as cnp
 import os
 import sys
 import threading
+import types
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds as _byte_bounds

@@ -124,9 +124,9 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
     away)."""
     cdef tuple cl = tuple(caches)
     cdef Py_ssize_t n = len(cl), i, k, r, m, total = 0
+    cdef int width = _route_width(), routed = 0
     cdef Cache** cs = _claim_all(cl, "caches")
     cdef float acc = 0
-    cdef int routed = 0
     cdef _FloorRuns f
     f.p = NULL
     f.n = NULL
@@ -159,7 +159,7 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
                 f.n[f.runs + 1] = <Py_ssize_t>(m * cs[i].v_row // 4)
                 f.runs += 2
                 r += m
-        routed = _route_main(threads)          # where attention's split would run
+        routed = _route_on(min(threads, fx_workers_get()), width)   # as attention's split
         try:
             with nogil:
                 for k in range(repeat):

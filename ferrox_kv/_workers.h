@@ -22,8 +22,9 @@
  *     thread's signal mask), so the pool's bound does not cover it: route
  *     only threads that run torch's operators, whose team exists anyway.
  *     The core routes the main thread's split calls once torch is
- *     imported (the thread where torch's operators run in most programs)
- *     when they ask for no more threads than torch's count, and
+ *     imported (where most programs run torch's operators; one that runs
+ *     none gets the team torch would make, at ferrox_kv's first split
+ *     call) when they ask for no more threads than torch's count, and
  *     ferrox_kv.hf the thread that runs a model's forward.
  *     The call waits for every team thread, even one whose core is busy.
  *     The route never loads a runtime, and is off in a fork child (its

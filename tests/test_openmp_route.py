@@ -297,8 +297,9 @@ def test_a_main_thread_call_wider_than_torchs_team_takes_the_pool(threads, main_
     c = _pooled(300)
     c.attend(np.ones((8, 64), np.float32))
     assert _core._attend_threads_used() == 3 and _core._worker_threads_alive() == 2
+    _no_pool_threads(3)
     c.attend(np.ones((8, 64), np.float32), threads=2)   # within torch's 2: the team
-    assert _core._attend_threads_used() == 2 and _core._worker_threads_alive() == 2
+    assert _core._attend_threads_used() == 2 and _core._worker_threads_alive() == 0
 
 
 def test_one_thread_never_routes(threads, main_routes):
@@ -334,3 +335,77 @@ def test_a_program_that_imports_torch_splits_on_its_team_unless_told_not_to(tmp_
     assert out.returncode == 0, out.stderr
     used, alive = out.stdout.split()
     assert (int(used), int(alive)) == (2, pool_threads), out.stdout
+
+
+@pytest.mark.parametrize("stub", ["removed", "none", "no_get_num_threads", "not_a_module"])
+def test_an_odd_torch_module_never_breaks_a_main_thread_call(threads, main_routes, monkeypatch, stub):
+    """Whatever sys.modules["torch"] holds (gone, None, a module without
+    get_num_threads, not a module), a main-thread call attends, on the pool
+    where the team cannot be asked, and leaves the route off."""
+    threads(2)
+    c = _pooled(300)
+    q = np.random.default_rng(5).standard_normal((8, 64), dtype=np.float32)
+    want = _on_another_thread(lambda: c.attend(q))
+    if stub == "removed":
+        monkeypatch.delitem(sys.modules, "torch")
+    elif stub == "none":
+        monkeypatch.setitem(sys.modules, "torch", None)
+    elif stub == "no_get_num_threads":
+        monkeypatch.delattr(torch, "get_num_threads")
+    else:
+        monkeypatch.setitem(sys.modules, "torch", object())
+    got = c.attend(q)
+    assert np.array_equal(_bits(got), _bits(want))
+    assert not _core._openmp_routed()
+
+
+def test_the_main_thread_and_request_threads_attend_together(threads, main_routes):
+    """The main thread on torch's team while 4 request threads share the
+    pool: every result is the one-call result, and the pool stays within
+    its bound."""
+    threads(2)
+    _no_pool_threads(2)
+    caches = [_pooled(300) for _ in range(5)]           # one per thread, the same rows
+    c = caches[0]
+    q = np.random.default_rng(6).standard_normal((8, 64), dtype=np.float32)
+    want = _on_another_thread(lambda: c.attend(q))
+    bad = []
+
+    def request(own):
+        for _ in range(20):
+            if not np.array_equal(_bits(own.attend(q)), _bits(want)):
+                bad.append(1)
+
+    ts = [threading.Thread(target=request, args=(own,)) for own in caches[1:]]
+    for t in ts:
+        t.start()
+    for _ in range(20):
+        assert np.array_equal(_bits(c.attend(q)), _bits(want))
+    for t in ts:
+        t.join(120)
+    assert not bad and not any(t.is_alive() for t in ts)
+    assert _core._worker_threads_alive() <= ferrox_kv.get_num_threads() - 1
+    assert not _core._openmp_routed()
+
+
+def test_a_fork_child_of_a_routing_main_thread_attends_on_the_pool(threads, main_routes):
+    threads(2)
+    _no_pool_threads(2)
+    c = _pooled(500)
+    q = np.random.default_rng(7).standard_normal((8, 64), dtype=np.float32)
+    want = c.attend(q)                                   # the main thread: torch's team
+    assert _core._worker_threads_alive() == 0
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            got = c.attend(q)
+            ok = (np.array_equal(_bits(got), _bits(want)) and _core._attend_threads_used() == 2
+                  and _core._worker_threads_alive() == 1 and not _core._openmp_routed())
+            code = 0 if ok else 3
+        finally:
+            os._exit(code)
+    status = _wait(pid)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert np.array_equal(_bits(c.attend(q)), _bits(want))
+    assert _core._worker_threads_alive() == 0            # the parent still routes
