@@ -277,7 +277,8 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         if starts.dtype.kind not in "iu" or starts.ndim != batched:
             raise TypeError("start must be an integer" + (" per sequence" if batched else ""))
         starts = starts.astype(np.int64).reshape(-1)
-    cdef int width = _route_width()     # torch's team's width (runs Python: before the claim)
+    # torch's team's width, for a call that may split (runs Python: before the claim)
+    cdef int width = _route_width() if nthreads > 1 else 0
     cdef cnp.ndarray oa = None
     if out is not None:
         if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_FLOAT32

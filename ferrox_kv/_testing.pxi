@@ -124,7 +124,7 @@ def _read_floor(caches, Py_ssize_t repeat=1, int threads=1):
     away)."""
     cdef tuple cl = tuple(caches)
     cdef Py_ssize_t n = len(cl), i, k, r, m, total = 0
-    cdef int width = _route_width(), routed = 0
+    cdef int width = _route_width() if threads > 1 else 0, routed = 0
     cdef Cache** cs = _claim_all(cl, "caches")
     cdef float acc = 0
     cdef _FloorRuns f
