@@ -82,7 +82,7 @@
 #ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
 #define FX_ATTN_RGC 24
 #endif
-#ifndef FX_ATTN_PREFETCH   /* 1: int8/int4 unpacked passes prefetch the next chunk's rows */
+#ifndef FX_ATTN_PREFETCH   /* 1: unpacked passes over 16-bit, int8 and int4 rows prefetch the next chunk's */
 #define FX_ATTN_PREFETCH 1
 #endif
 #if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
@@ -174,32 +174,61 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
 #define FXA_PREFETCH_L2(p) ((void)(p))
 #endif
 
-/* Prefetches into L2 what the kernel reads of the int8 / int4 K and V rows
-   of the n (<= FX_C) positions from p0: kv heads [g0, g0 + nh) of each,
-   values and group scales.  Issued a chunk ahead, so that rows from memory
-   arrive while the chunk before them computes.  Float rows are left to the
-   hardware prefetcher: for them the extra instructions cost more in cache
-   than they win out of it (benchmarks/NOTES.md). */
-FX_INLINE void fxa_prefetch_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t p0, int n, int g0, int nh,
-                                 const int dt)
+/* A walk, in memory order, over the lines of one array (K or V) that the
+   kernel will read of the next chunk's rows: for each row, the bytes
+   [b0, b1) of the pass's kv heads' values, then [s0, s1) of their int8 /
+   int4 group scales (empty for other dtypes).  Each tile of a phase
+   prefetches the walk's next m lines into L2, so that the next chunk's rows
+   arrive while this one computes.  Spread this way the requests keep
+   arriving at the rate the kernel reads; issued all at once they stall it
+   (benchmarks/NOTES.md).  Float32 rows are left to the hardware
+   prefetcher, which keeps pace with them. */
+typedef struct {
+    const char *row[FX_C];
+    int n, m, x, part;
+    size_t y, b0, b1, s0, s1;
+} fxa_pf;
+
+/* pf walks rows [p0, p0 + n) of kv's K (or V: is_v) for kv heads [g0, g0 + nh)
+   of head dim hd, m lines a step; n = 0: a walk with nothing to do. */
+FX_INLINE void fxa_pf_init(fxa_pf *pf, const fx_kv *kv, const fx_attn_args *a, ptrdiff_t p0, int n, int g0, int nh,
+                           int hd, int is_v, size_t steps, const int dt)
 {
-    const size_t k0 = fx_value_bytes((size_t)g0 * (size_t)a->head_dim, dt);
-    const size_t k1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)a->head_dim, dt);
-    const size_t v0 = fx_value_bytes((size_t)g0 * (size_t)a->v_head_dim, dt);
-    const size_t v1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)a->v_head_dim, dt);
-    const size_t kvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->head_dim, dt);
-    const size_t vvals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)a->v_head_dim, dt);
-    const size_t ks0 = kvals + 2 * (size_t)g0 * fx_i8_groups(a->head_dim), ks1 = ks0 + 2 * (size_t)nh * fx_i8_groups(a->head_dim);
-    const size_t vs0 = vvals + 2 * (size_t)g0 * fx_i8_groups(a->v_head_dim), vs1 = vs0 + 2 * (size_t)nh * fx_i8_groups(a->v_head_dim);
-    const char *k[FX_C], *v[FX_C];
-    int i;
-    size_t x;
-    fxa_row_addrs(kv, p0, n, k, v);
-    for (i = 0; i < n; i++) {
-        for (x = k0; x < k1; x += 64) FXA_PREFETCH_L2(k[i] + x);
-        for (x = v0; x < v1; x += 64) FXA_PREFETCH_L2(v[i] + x);
-        for (x = ks0; x < ks1; x += 64) FXA_PREFETCH_L2(k[i] + x);
-        for (x = vs0; x < vs1; x += 64) FXA_PREFETCH_L2(v[i] + x);
+    const char *other[FX_C];
+    const size_t vals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)hd, dt), ng = fx_i8_groups(hd);
+    pf->n = n;
+    pf->m = 0;
+    if (!n) return;
+    if (is_v) fxa_row_addrs(kv, p0, n, other, pf->row);
+    else fxa_row_addrs(kv, p0, n, pf->row, other);
+    pf->b0 = fx_value_bytes((size_t)g0 * (size_t)hd, dt);
+    pf->b1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)hd, dt);
+    pf->s0 = pf->s1 = 0;
+    if (FX_QUANT(dt)) {
+        pf->s0 = vals + 2 * (size_t)g0 * ng;
+        pf->s1 = vals + 2 * (size_t)(g0 + nh) * ng;
+    }
+    pf->x = pf->part = 0;
+    pf->y = pf->b0;
+    pf->m = (int)((((pf->b1 - pf->b0) + (pf->s1 - pf->s0) + 63) / 64 * (size_t)n + steps - 1) / steps);
+}
+
+FX_INLINE void fxa_pf_step(fxa_pf *pf)
+{
+    int m = pf->m;
+    while (m-- > 0 && pf->x < pf->n) {
+        FXA_PREFETCH_L2(pf->row[pf->x] + pf->y);
+        pf->y += 64;
+        if (pf->y >= (pf->part ? pf->s1 : pf->b1)) {
+            if (!pf->part && pf->s1 > pf->s0) {
+                pf->part = 1;
+                pf->y = pf->s0;
+            } else {
+                pf->x++;
+                pf->part = 0;
+                pf->y = pf->b0;
+            }
+        }
     }
 }
 
@@ -470,7 +499,7 @@ FX_INLINE void fxa_tile_rows(const float *fa, const float *fb, ptrdiff_t i0, int
 FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t koff0,
                                size_t soff0, const fxa_rows *c, int r, int r1, const float *qs, const int8_t *qi,
                                const float *qf, float *sc, const float *fa, const float *fb, const int dt,
-                               const int W, const int idot)
+                               const int W, const int idot, fxa_pf *pf)
 {
     const int hd = a->head_dim;
     const size_t ng = fx_i8_groups(hd);
@@ -492,6 +521,7 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
             ub = ub < r1 ? ub : r1;
             for (rr = ua; rr < ub; rr += R) { /* the last group may run past ub: padded rows */
                 float *s = sc + (size_t)i0 * FX_CS + rr;
+                fxa_pf_step(pf);
 #if FXA_HAVE_VNNI
                 if (FXA_VNNI(idot, dt, hd)) {
                     const int8_t *qt = qi + (size_t)i0 * hd;
@@ -547,7 +577,7 @@ FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const flo
    (int8 scales at c->vs[row] + soff0 + h*groups). */
 FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdiff_t i1, size_t voff0, size_t soff0,
                            const fxa_rows *c, int r, int r1, float *acc, const float *sc, const float *al,
-                           const float *fa, const float *fb, const int dt, const int W)
+                           const float *fa, const float *fb, const int dt, const int W, fxa_pf *pf)
 {
     const int dv = a->v_head_dim;
     const size_t ng = fx_i8_groups(dv);
@@ -561,6 +591,7 @@ FX_INLINE void fxa_phase_pv(const fx_attn_args *a, ptrdiff_t nvg, int nh, ptrdif
             float *o = acc + (size_t)i0 * dv;
             const float *p = sc + (size_t)i0 * FX_CS, *alp = al + i0;
             int ua, ub, lo, hi, first, ca, cb, t;
+            if (pf) fxa_pf_step(pf);
             fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
             lo = ua > r ? ua : r;
             hi = ub < r1 ? ub : r1;
@@ -728,8 +759,8 @@ FX_INLINE float fxa_exp_scales(float scale, float *f)
        B  softmax  every query vector: chunk max, alpha, p, l
        C  p.V      for row groups of RGC rows: for kv heads: its tiles
        K and V are read row group after row group across all heads, close
-       to memory order: the hardware prefetcher streams them (int8 / int4
-       rows are also prefetched a chunk ahead, see fxa_prefetch_rows), and
+       to memory order: the hardware prefetcher streams float32 rows, the
+       others are prefetched a chunk ahead (see fxa_pf), and
        a head's slices of a row group are not needed after its tiles.
      more (prefill, MQA with G > 32)
        for kv heads: pack the chunk's K slice transposed and its V slice
@@ -796,6 +827,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
             if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
             for (c0 = lo; c0 <= c_last; c0 += FX_C) {
                 const int n = (int)(c_last + 1 - c0 < FX_C ? c_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
+                fxa_pf pk, pv;
                 int r;
                 fxa_chunk_rows(kv, a, c0, n, &rows, sbuf, dt);
                 /* rows [fa, fb) of this chunk each vector sees */
@@ -813,20 +845,23 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                         }
                     }
                 if (!pack) {
-                    for (r = 0; r < n; r += FX_ATTN_RGA) {
-                        /* rows [r, r1) of this chunk; the same rows of the next one prefetched */
-                        const int r1 = r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n;
-                        const ptrdiff_t pf0 = c0 + FX_C + r, pf1 = c0 + FX_C + r1 <= c_last ? c0 + FX_C + r1 : c_last + 1;
-                        if (FX_ATTN_PREFETCH && FX_QUANT(dt) && pf0 < pf1)
-                            fxa_prefetch_rows(kv, a, pf0, (int)(pf1 - pf0), g0, nh, dt);
-                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r, r1, qs, qi, qf,
-                                        sc, fa, fb, dt, W, idot);
-                    }
+                    /* the next chunk's K lines over phase A's steps (a step per R rows of a
+                       tile), its V lines over phase C's (a step per tile and row group) */
+                    const int npf = FX_ATTN_PREFETCH && dt != FX_F32 && c0 + FX_C <= c_last
+                                        ? (int)(c_last + 1 - c0 - FX_C < FX_C ? c_last + 1 - c0 - FX_C : FX_C) : 0;
+                    const size_t tiles = (size_t)nh * (size_t)((nvg + 3) / 4);
+                    fxa_pf_init(&pk, kv, a, c0 + FX_C, npf, g0, nh, hd, 0, tiles * (size_t)((n + 3) / 4), dt);
+                    fxa_pf_init(&pv, kv, a, c0 + FX_C, npf, g0, nh, dv, 1,
+                                tiles * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC), dt);
+                    for (r = 0; r < n; r += FX_ATTN_RGA)
+                        fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
+                                        r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, qi, qf, sc, fa, fb, dt, W, idot,
+                                        &pk);
                     for (i = 0; i < nv; i++)
                         fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
                     for (r = 0; r < n; r += FX_ATTN_RGC)
                         fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, (size_t)g0 * ngv, &rows, r,
-                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt, W);
+                                    r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt, W, &pv);
                 } else {
                     for (h = 0; h < nh; h++) {
                         fxa_pack_head(&rows, n, g0 + h, hd, dv, kt, krow, vbuf, &packed, dt);
@@ -834,7 +869,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                         for (i = h * nvg; i < (h + 1) * nvg; i++)
                             fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
                                             al + i, f);
-                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32, W);
+                        fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32, W, NULL);
                     }
                 }
             }
