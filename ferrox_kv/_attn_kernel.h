@@ -82,7 +82,7 @@
 #ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
 #define FX_ATTN_RGC 24
 #endif
-#ifndef FX_ATTN_PREFETCH   /* 1: unpacked passes over 16-bit, int8 and int4 rows prefetch the next chunk's */
+#ifndef FX_ATTN_PREFETCH   /* 1: unpacked passes over 16-bit, int8, int4 rows prefetch them (fxa_pf) */
 #define FX_ATTN_PREFETCH 1
 #endif
 #if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
@@ -168,67 +168,100 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
     }
 }
 
+#ifndef FXA_PREFETCH_L2 /* tests/c/test_pf.c records the walk instead */
 #if defined(__GNUC__) || defined(__clang__)
 #define FXA_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 #else
 #define FXA_PREFETCH_L2(p) ((void)(p))
 #endif
+#endif
 
-/* A walk, in memory order, over the lines of one array (K or V) that the
-   kernel will read of the next chunk's rows: for each row, the bytes
-   [b0, b1) of the pass's kv heads' values, then [s0, s1) of their int8 /
-   int4 group scales (empty for other dtypes).  Each tile of a phase
-   prefetches the walk's next m lines into L2, so that the next chunk's rows
-   arrive while this one computes.  Spread this way the requests keep
-   arriving at the rate the kernel reads; issued all at once they stall it
-   (benchmarks/NOTES.md).  Float32 rows are left to the hardware
-   prefetcher, which keeps pace with them. */
+/* A walk, in memory order, over the cache lines the kernel will read: up
+   to three segments of rows, and of each row the bytes [b0, b1) of the
+   pass's kv heads' values, then [s0, s1) of their int8 / int4 group scales
+   (empty for other dtypes).  Each step of a phase (phase A: R rows of a
+   tile; phase C: a tile and row group) prefetches the walk's next m lines
+   into L2, m set so that the walk ends with the phase, so that rows from
+   memory arrive while the kernel computes.  Spread this way the requests
+   keep arriving at the rate the kernel reads; a row group's lines issued
+   at once gained less (benchmarks/NOTES.md).  Float32 rows are left to
+   the hardware prefetcher, which keeps pace with them. */
 typedef struct {
-    const char *row[FX_C];
-    int n, m, x, part;
-    size_t y, b0, b1, s0, s1;
+    const char *const *row;
+    int n;
+    size_t b0, b1, s0, s1;
+} fxa_pfseg;
+
+typedef struct {
+    fxa_pfseg seg[3];
+    int nseg, i, x, part, m;
+    size_t y;
 } fxa_pf;
 
-/* pf walks rows [p0, p0 + n) of kv's K (or V: is_v) for kv heads [g0, g0 + nh)
-   of head dim hd, m lines a step; n = 0: a walk with nothing to do. */
-FX_INLINE void fxa_pf_init(fxa_pf *pf, const fx_kv *kv, const fx_attn_args *a, ptrdiff_t p0, int n, int g0, int nh,
-                           int hd, int is_v, size_t steps, const int dt)
+/* Appends rows row[0 .. n) of K (head dim hd = head_dim) or V (v_head_dim),
+   kv heads [g0, g0 + nh), to the walk. */
+FX_INLINE void fxa_pf_add(fxa_pf *pf, const char *const *row, int n, const fx_attn_args *a, int g0, int nh, int hd,
+                          const int dt)
 {
-    const char *other[FX_C];
+    fxa_pfseg *sg = pf->seg + pf->nseg;
     const size_t vals = fx_value_bytes((size_t)a->n_kv_heads * (size_t)hd, dt), ng = fx_i8_groups(hd);
-    pf->n = n;
-    pf->m = 0;
-    if (!n) return;
-    if (is_v) fxa_row_addrs(kv, p0, n, other, pf->row);
-    else fxa_row_addrs(kv, p0, n, pf->row, other);
-    pf->b0 = fx_value_bytes((size_t)g0 * (size_t)hd, dt);
-    pf->b1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)hd, dt);
-    pf->s0 = pf->s1 = 0;
+    if (n <= 0) return;
+    sg->row = row;
+    sg->n = n;
+    sg->b0 = fx_value_bytes((size_t)g0 * (size_t)hd, dt);
+    sg->b1 = fx_value_bytes((size_t)(g0 + nh) * (size_t)hd, dt);
+    sg->s0 = sg->s1 = 0;
     if (FX_QUANT(dt)) {
-        pf->s0 = vals + 2 * (size_t)g0 * ng;
-        pf->s1 = vals + 2 * (size_t)(g0 + nh) * ng;
+        sg->s0 = vals + 2 * (size_t)g0 * ng;
+        sg->s1 = vals + 2 * (size_t)(g0 + nh) * ng;
     }
-    pf->x = pf->part = 0;
-    pf->y = pf->b0;
-    pf->m = (int)((((pf->b1 - pf->b0) + (pf->s1 - pf->s0) + 63) / 64 * (size_t)n + steps - 1) / steps);
+    pf->nseg++;
+}
+
+/* The walk's offset y at the start of its current range: that range's
+   first byte, rounded down to its cache line. */
+FX_INLINE void fxa_pf_range(fxa_pf *pf)
+{
+    const fxa_pfseg *sg = pf->seg + pf->i;
+    const size_t b = pf->part ? sg->s0 : sg->b0;
+    pf->y = b - (size_t)((uintptr_t)(sg->row[pf->x] + b) & 63);
+}
+
+/* Sets the walk to its first line, m lines a step over `steps` steps. */
+FX_INLINE void fxa_pf_start(fxa_pf *pf, size_t steps)
+{
+    size_t lines = 0;
+    int i;
+    for (i = 0; i < pf->nseg; i++) {
+        const fxa_pfseg *sg = pf->seg + i;
+        const size_t per_row = (sg->b1 - sg->b0 + 63) / 64 + 1 + (sg->s1 > sg->s0 ? (sg->s1 - sg->s0 + 63) / 64 + 1 : 0);
+        lines += per_row * (size_t)sg->n; /* at most: a range may straddle one more line */
+    }
+    pf->i = pf->x = pf->part = 0;
+    pf->m = 0;
+    if (!pf->nseg || !steps) return;
+    pf->m = (int)((lines + steps - 1) / steps);
+    fxa_pf_range(pf);
 }
 
 FX_INLINE void fxa_pf_step(fxa_pf *pf)
 {
     int m = pf->m;
-    while (m-- > 0 && pf->x < pf->n) {
-        FXA_PREFETCH_L2(pf->row[pf->x] + pf->y);
+    while (m-- > 0 && pf->i < pf->nseg) {
+        const fxa_pfseg *sg = pf->seg + pf->i;
+        FXA_PREFETCH_L2(sg->row[pf->x] + pf->y);
         pf->y += 64;
-        if (pf->y >= (pf->part ? pf->s1 : pf->b1)) {
-            if (!pf->part && pf->s1 > pf->s0) {
-                pf->part = 1;
-                pf->y = pf->s0;
-            } else {
-                pf->x++;
-                pf->part = 0;
-                pf->y = pf->b0;
+        if (pf->y < (pf->part ? sg->s1 : sg->b1)) continue;
+        if (!pf->part && sg->s1 > sg->s0) {
+            pf->part = 1;
+        } else {
+            pf->part = 0;
+            if (++pf->x == sg->n) {
+                pf->x = 0;
+                if (++pf->i == pf->nseg) break;
             }
         }
+        fxa_pf_range(pf);
     }
 }
 
@@ -477,6 +510,32 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
    within the group), so the vectors sharing a kv head are consecutive.
    Tiles are runs of 4 (then 2, 1) consecutive vectors of one kv head. */
 #define FX_TILE_T(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
+
+/* Phase A's steps over n rows: per kv head, its tiles (FX_TILE_T) times
+   the R-row groups of each RGA-row group, as fxa_phase_scores walks them. */
+FX_INLINE size_t fxa_steps_a(ptrdiff_t nvg, int nh, int n, const int W, const int idot)
+{
+    size_t steps = 0;
+    ptrdiff_t i0;
+    int r;
+    for (i0 = 0; i0 < nvg; i0 += FX_TILE_T(nvg - i0)) {
+        const int T = FX_TILE_T(nvg - i0), R = T == 4 && W == 16 && !idot ? 4 : 12 / T;
+        for (r = 0; r < n; r += FX_ATTN_RGA) {
+            const int rows = n - r < FX_ATTN_RGA ? n - r : FX_ATTN_RGA;
+            steps += (size_t)((rows + R - 1) / R);
+        }
+    }
+    return steps * (size_t)nh;
+}
+
+/* Phase C's steps over n rows: per kv head, its tiles times the RGC-row groups. */
+FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
+{
+    size_t tiles = 0;
+    ptrdiff_t i0;
+    for (i0 = 0; i0 < nvg; i0 += FX_TILE_T(nvg - i0)) tiles++;
+    return tiles * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
+}
 
 /* Rows [ua, ub) of the chunk that some vector of tile i0 .. i0+T-1 sees
    (ua >= ub: none). */
@@ -845,14 +904,24 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                         }
                     }
                 if (!pack) {
-                    /* the next chunk's K lines over phase A's steps (a step per R rows of a
-                       tile), its V lines over phase C's (a step per tile and row group) */
-                    const int npf = FX_ATTN_PREFETCH && dt != FX_F32 && c0 + FX_C <= c_last
+                    /* phase A prefetches the next chunk's K lines, phase C its V lines.  A pass's
+                       first chunk has no chunk before it to prefetch it: its phase A
+                       prefetches its own K past the first row group and its own V first. */
+                    const int first_chunk = c0 == lo, npf = c0 + FX_C <= c_last
                                         ? (int)(c_last + 1 - c0 - FX_C < FX_C ? c_last + 1 - c0 - FX_C : FX_C) : 0;
-                    const size_t tiles = (size_t)nh * (size_t)((nvg + 3) / 4);
-                    fxa_pf_init(&pk, kv, a, c0 + FX_C, npf, g0, nh, hd, 0, tiles * (size_t)((n + 3) / 4), dt);
-                    fxa_pf_init(&pv, kv, a, c0 + FX_C, npf, g0, nh, dv, 1,
-                                tiles * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC), dt);
+                    const char *nk[FX_C], *nvr[FX_C];
+                    pk.nseg = pv.nseg = 0;
+                    if (FX_ATTN_PREFETCH && dt != FX_F32) {
+                        if (npf) fxa_row_addrs(kv, c0 + FX_C, npf, nk, nvr);
+                        if (first_chunk) {
+                            fxa_pf_add(&pk, rows.k + FX_ATTN_RGA, n - FX_ATTN_RGA, a, g0, nh, hd, dt);
+                            fxa_pf_add(&pk, rows.v, n, a, g0, nh, dv, dt);
+                        }
+                        fxa_pf_add(&pk, nk, npf, a, g0, nh, hd, dt);
+                        fxa_pf_add(&pv, nvr, npf, a, g0, nh, dv, dt);
+                    }
+                    fxa_pf_start(&pk, fxa_steps_a(nvg, nh, n, W, idot));
+                    fxa_pf_start(&pv, fxa_steps_c(nvg, nh, n));
                     for (r = 0; r < n; r += FX_ATTN_RGA)
                         fxa_phase_scores(a, nvg, nh, 0, (size_t)g0 * hd, (size_t)g0 * ngk, &rows, r,
                                         r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, qi, qf, sc, fa, fb, dt, W, idot,

@@ -89,10 +89,16 @@ static inline FX_UNUSED size_t fx_row_bytes(int n_heads, int head_dim, int dtype
     }
 }
 
-/* Bytes of a stored row's values, before its scales (quantised dtypes). */
+/* Bytes of n_values stored values (a quantised row's values come before
+   its scales); FX_F16C as FX_F16. */
 static inline FX_UNUSED size_t fx_value_bytes(size_t n_values, int dtype)
 {
-    return FX_IS_I4(dtype) ? n_values / 2 : n_values;
+    switch (dtype) {
+    case FX_F32: return 4 * n_values;
+    case FX_F16: case FX_BF16: case FX_F16C: return 2 * n_values;
+    case FX_I4: case FX_I4H: return n_values / 2;
+    default: return n_values;
+    }
 }
 
 /* The Hadamard block of an FX_I4H head of head_dim values (a multiple of

@@ -385,6 +385,7 @@ static void exp_test(void)
 }
 
 int conv_tests(void); /* test_conv.c */
+int pf_tests(void);   /* test_pf.c */
 
 int main(void)
 {
@@ -411,6 +412,7 @@ int main(void)
     probe.head_dim = probe.v_head_dim = 16;
     exp_test();
     n_fail += conv_tests();
+    n_fail += pf_tests();
 
     /* every code path this build can run on this CPU runs every case: the
        levels' instantiations (x86-64-v4 on 16-float vectors, with and
