@@ -181,7 +181,8 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
    pass's kv heads' values, then [s0, s1) of their int8 / int4 group scales
    (empty for other dtypes).  Each step of a phase (phase A: R rows of a
    tile; phase C: a tile and row group) prefetches the walk's next m lines
-   into L2, m set so that the walk ends with the phase, so that rows from
+   into L2, m set so that the walk ends with the phase where every vector
+   sees every row of the chunk (a little short otherwise), so that rows from
    memory arrive while the kernel computes.  Spread this way the requests
    keep arriving at the rate the kernel reads; a row group's lines issued
    at once gained less (benchmarks/NOTES.md).  Float32 rows are left to
@@ -195,7 +196,7 @@ typedef struct {
 typedef struct {
     fxa_pfseg seg[3];
     int nseg, i, x, part, m;
-    size_t y;
+    uintptr_t at, end; /* the next line's address, the range's end (integers: at may precede the row) */
 } fxa_pf;
 
 /* Appends rows row[0 .. n) of K (head dim hd = head_dim) or V (v_head_dim),
@@ -218,13 +219,13 @@ FX_INLINE void fxa_pf_add(fxa_pf *pf, const char *const *row, int n, const fx_at
     pf->nseg++;
 }
 
-/* The walk's offset y at the start of its current range: that range's
-   first byte, rounded down to its cache line. */
+/* The walk at the start of its current range: the line of its first byte. */
 FX_INLINE void fxa_pf_range(fxa_pf *pf)
 {
     const fxa_pfseg *sg = pf->seg + pf->i;
-    const size_t b = pf->part ? sg->s0 : sg->b0;
-    pf->y = b - (size_t)((uintptr_t)(sg->row[pf->x] + b) & 63);
+    const char *row = sg->row[pf->x];
+    pf->at = (uintptr_t)(row + (pf->part ? sg->s0 : sg->b0)) & ~(uintptr_t)63;
+    pf->end = (uintptr_t)(row + (pf->part ? sg->s1 : sg->b1));
 }
 
 /* Sets the walk to its first line, m lines a step over `steps` steps. */
@@ -249,9 +250,9 @@ FX_INLINE void fxa_pf_step(fxa_pf *pf)
     int m = pf->m;
     while (m-- > 0 && pf->i < pf->nseg) {
         const fxa_pfseg *sg = pf->seg + pf->i;
-        FXA_PREFETCH_L2(sg->row[pf->x] + pf->y);
-        pf->y += 64;
-        if (pf->y < (pf->part ? sg->s1 : sg->b1)) continue;
+        FXA_PREFETCH_L2((const char *)pf->at);
+        pf->at += 64;
+        if (pf->at < pf->end) continue;
         if (!pf->part && sg->s1 > sg->s0) {
             pf->part = 1;
         } else {
@@ -913,10 +914,8 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                     pk.nseg = pv.nseg = 0;
                     if (FX_ATTN_PREFETCH && dt != FX_F32) {
                         if (npf) fxa_row_addrs(kv, c0 + FX_C, npf, nk, nvr);
-                        if (first_chunk) {
-                            fxa_pf_add(&pk, rows.k + FX_ATTN_RGA, n - FX_ATTN_RGA, a, g0, nh, hd, dt);
-                            fxa_pf_add(&pk, rows.v, n, a, g0, nh, dv, dt);
-                        }
+                        if (first_chunk && n > FX_ATTN_RGA) fxa_pf_add(&pk, rows.k + FX_ATTN_RGA, n - FX_ATTN_RGA, a, g0, nh, hd, dt);
+                        if (first_chunk) fxa_pf_add(&pk, rows.v, n, a, g0, nh, dv, dt);
                         fxa_pf_add(&pk, nk, npf, a, g0, nh, hd, dt);
                         fxa_pf_add(&pv, nvr, npf, a, g0, nh, dv, dt);
                     }
@@ -931,6 +930,10 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                     for (r = 0; r < n; r += FX_ATTN_RGC)
                         fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, (size_t)g0 * ngv, &rows, r,
                                     r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt, W, &pv);
+#ifdef FX_ATTN_CHECK_PF /* tests/c's native build: where every vector saw every row, both walks ended */
+                    for (i = 0; i < nv && (int)fa[i] == 0 && (int)fb[i] == n; i++) {}
+                    if (i == nv && (pk.i != pk.nseg || pv.i != pv.nseg)) __builtin_trap();
+#endif
                 } else {
                     for (h = 0; h < nh; h++) {
                         fxa_pack_head(&rows, n, g0 + h, hd, dv, kt, krow, vbuf, &packed, dt);

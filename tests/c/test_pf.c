@@ -1,7 +1,9 @@
 /* test_pf.c -- the attention kernel's prefetch walk (fxa_pf in
- * _attn_kernel.h) against the lines each row's ranges cover: every line
- * once, in memory order, none outside, and all of them within the steps
- * the walk was started for.  Prefetch changes no result, so the float64
+ * _attn_kernel.h) against the lines each row's ranges cover: each range's
+ * lines in memory order (a line two ranges share comes once per range),
+ * none outside, and all of them within the steps the walk was started
+ * for.  That the kernel's step counts end each walk with its phase is
+ * checked in the kernel itself (FX_ATTN_CHECK_PF, the native build).  Prefetch changes no result, so the float64
  * reference in test_attn.c cannot see a wrong walk; this records it. */
 #include <stdint.h>
 #include <stdio.h>
@@ -34,7 +36,7 @@ static size_t pf_bytes(size_t n, int dt)
     return dt == FX_I8 ? n : dt == FX_I4 ? n / 2 : 2 * n;
 }
 
-static char pf_buf[1 << 20];
+static char pf_buf[1 << 22]; /* 2 x (FX_C + 3) rows of up to 2 KiB + 64, FX_C <= 256 */
 static uintptr_t pf_want[PF_MAX];
 
 int pf_tests(void)
