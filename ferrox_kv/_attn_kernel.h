@@ -511,16 +511,21 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
    within the group), so the vectors sharing a kv head are consecutive.
    Tiles are runs of 4 (then 2, 1) consecutive vectors of one kv head. */
 #define FX_TILE_T(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
+/* Rows per score tile of T vectors: 4 x 4 (16 accumulators) for the float
+   tile on 16-float vectors (32 registers); 4 x 3 for 8-float vectors (16
+   registers) and the integer tiles; 2 x 6, 1 x 12 */
+#define FX_TILE_R(T, W, idot) ((T) == 4 && (W) == 16 && !(idot) ? 4 : 12 / (T))
 
 /* Phase A's steps over n rows: per kv head, its tiles (FX_TILE_T) times
-   the R-row groups of each RGA-row group, as fxa_phase_scores walks them. */
+   the FX_TILE_R-row groups of each RGA-row group, as fxa_phase_scores
+   walks them. */
 FX_INLINE size_t fxa_steps_a(ptrdiff_t nvg, int nh, int n, const int W, const int idot)
 {
     size_t steps = 0;
     ptrdiff_t i0;
     int r;
     for (i0 = 0; i0 < nvg; i0 += FX_TILE_T(nvg - i0)) {
-        const int T = FX_TILE_T(nvg - i0), R = T == 4 && W == 16 && !idot ? 4 : 12 / T;
+        const int T = FX_TILE_T(nvg - i0), R = FX_TILE_R(T, W, idot);
         for (r = 0; r < n; r += FX_ATTN_RGA) {
             const int rows = n - r < FX_ATTN_RGA ? n - r : FX_ATTN_RGA;
             steps += (size_t)((rows + R - 1) / R);
@@ -570,10 +575,7 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
         const ptrdiff_t iend = i1 + (h + 1) * nvg;
         ptrdiff_t i0;
         for (i0 = i1 + h * nvg; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
-            /* 4 x 4 (16 accumulators) for the float tile on 16-float vectors
-               (32 registers); 4 x 3 for 8-float vectors (16 registers) and
-               the integer tiles */
-            const int T = FX_TILE_T(iend - i0), R = T == 4 && W == 16 && !idot ? 4 : 12 / T;
+            const int T = FX_TILE_T(iend - i0), R = FX_TILE_R(T, W, idot);
             const float *q = qs + (size_t)i0 * hd;
             int ua, ub, rr;
             fxa_tile_rows(fa, fb, i0, T, &ua, &ub);

@@ -3,8 +3,9 @@
  * lines in memory order (a line two ranges share comes once per range),
  * none outside, and all of them within the steps the walk was started
  * for.  That the kernel's step counts end each walk with its phase is
- * checked in the kernel itself (FX_ATTN_CHECK_PF, the native build).  Prefetch changes no result, so the float64
- * reference in test_attn.c cannot see a wrong walk; this records it. */
+ * checked in the kernel itself (FX_ATTN_CHECK_PF, the native build).
+ * Prefetch changes no result, so the float64 reference in test_attn.c
+ * cannot see a wrong walk; this records it. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
