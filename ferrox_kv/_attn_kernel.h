@@ -71,7 +71,7 @@
 #define FX_ATTN_CHUNK 48
 #endif
 #ifndef FX_ATTN_QBLOCK     /* query vectors (positions x query heads) per pass */
-#define FX_ATTN_QBLOCK 256
+#define FX_ATTN_QBLOCK 512
 #endif
 #ifndef FX_ATTN_PACK_MIN   /* pack K/V slices when more query vectors share a kv head */
 #define FX_ATTN_PACK_MIN 32
@@ -534,13 +534,19 @@ FX_INLINE size_t fxa_steps_a(ptrdiff_t nvg, int nh, int n, const int W, const in
     return steps * (size_t)nh;
 }
 
-/* Phase C's steps over n rows: per kv head, its tiles times the RGC-row groups. */
-FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
+/* Tiles of nvg vectors (FX_TILE_T): phase A's steps on a packed head. */
+FX_INLINE size_t fxa_steps_t(ptrdiff_t nvg)
 {
     size_t tiles = 0;
     ptrdiff_t i0;
     for (i0 = 0; i0 < nvg; i0 += FX_TILE_T(nvg - i0)) tiles++;
-    return tiles * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
+    return tiles;
+}
+
+/* Phase C's steps over n rows: per kv head, its tiles times the RGC-row groups. */
+FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
+{
+    return fxa_steps_t(nvg) * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
 }
 
 /* Rows [ua, ub) of the chunk that some vector of tile i0 .. i0+T-1 sees
@@ -613,9 +619,10 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
 
 /* Phase A on a packed head: scores of the tiles of vectors i1 .. i1+nvg
    against the transposed K slice kt (FX_KT floats per dimension), for the
-   groups of 3W rows that hold a row the tile sees. */
+   groups of 3W rows that hold a row the tile sees.  Each tile is a step of
+   the walk pf (fxa_steps_t of them). */
 FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const float *kt, const float *qs, float *sc,
-                                  const float *fa, const float *fb, const int W)
+                                  const float *fa, const float *fb, const int W, fxa_pf *pf)
 {
     const ptrdiff_t iend = i1 + nvg;
     ptrdiff_t i0;
@@ -624,6 +631,7 @@ FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const flo
         int ua, ub, rr;
         float *s = sc + (size_t)i0 * FX_CS;
         const float *q = qs + (size_t)i0 * hd;
+        fxa_pf_step(pf);
         fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
         for (rr = ua / (3 * W) * (3 * W); rr < ub; rr += 3 * W) {
             if (T == 4) FXA_QKT_TILE(W, 4, q, hd, kt, rr, s);
@@ -889,6 +897,10 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
             if (a->window > 0 && first + t0 - a->window + 1 > lo) lo = first + t0 - a->window + 1;
             for (c0 = lo; c0 <= c_last; c0 += FX_C) {
                 const int n = (int)(c_last + 1 - c0 < FX_C ? c_last + 1 - c0 : FX_C), n8 = (n + 7) & ~7;
+                /* rows of the next chunk, prefetched while this one computes */
+                const ptrdiff_t after = c_last + 1 - c0 - FX_C; /* rows past this chunk */
+                const int npf = after <= 0 ? 0 : after < FX_C ? (int)after : FX_C;
+                const char *nk[FX_C], *nvr[FX_C];
                 fxa_pf pk, pv;
                 int r;
                 fxa_chunk_rows(kv, a, c0, n, &rows, sbuf, dt);
@@ -910,9 +922,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                     /* phase A prefetches the next chunk's K lines, phase C its V lines.  A pass's
                        first chunk has no chunk before it to prefetch it: its phase A
                        prefetches its own K past the first row group and its own V first. */
-                    const int first_chunk = c0 == lo, npf = c0 + FX_C <= c_last
-                                        ? (int)(c_last + 1 - c0 - FX_C < FX_C ? c_last + 1 - c0 - FX_C : FX_C) : 0;
-                    const char *nk[FX_C], *nvr[FX_C];
+                    const int first_chunk = c0 == lo;
                     pk.nseg = pv.nseg = 0;
                     if (FX_ATTN_PREFETCH && dt != FX_F32) {
                         if (npf) fxa_row_addrs(kv, c0 + FX_C, npf, nk, nvr);
@@ -937,9 +947,21 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                     if (i == nv && (pk.i != pk.nseg || pv.i != pv.nseg)) __builtin_trap();
 #endif
                 } else {
+                    /* phase A of each head prefetches that head's slices of the next chunk
+                       (strided by a row's other heads: the hardware prefetcher misses them) */
+                    if (FX_ATTN_PREFETCH && npf) fxa_row_addrs(kv, c0 + FX_C, npf, nk, nvr);
                     for (h = 0; h < nh; h++) {
+                        pk.nseg = 0;
+                        if (FX_ATTN_PREFETCH && npf) {
+                            fxa_pf_add(&pk, nk, npf, a, g0 + h, 1, hd, dt);
+                            fxa_pf_add(&pk, nvr, npf, a, g0 + h, 1, dv, dt);
+                        }
+                        fxa_pf_start(&pk, fxa_steps_t(nvg));
                         fxa_pack_head(&rows, n, g0 + h, hd, dv, kt, krow, vbuf, &packed, dt);
-                        fxa_phase_scores_t(hd, nvg, h * nvg, kt, qs, sc, fa, fb, W);
+                        fxa_phase_scores_t(hd, nvg, h * nvg, kt, qs, sc, fa, fb, W, &pk);
+#ifdef FX_ATTN_CHECK_PF /* every tile is a step: the walk ended */
+                        if (pk.i != pk.nseg) __builtin_trap();
+#endif
                         for (i = h * nvg; i < (h + 1) * nvg; i++)
                             fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
                                             al + i, f);
