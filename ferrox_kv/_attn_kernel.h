@@ -465,13 +465,16 @@ FX_INLINE void fxa_quantise_q(const float *x, int hd, float qscale, float *qs, i
    elsewhere on [0, n8), sets *alpha = 2^((m_old - m_new) f) (1 if the max
    did not grow or nothing is visible, 0 on the first visible chunk) and
    updates m, l.  The max ignores NaN; while it is -inf (every visible score
-   so far -inf or NaN) p is 2^(s f): 0 for -inf, NaN for NaN. */
-FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float *l, float *alpha, float f)
+   so far -inf or NaN) p is 2^(s f): 0 for -inf, NaN for NaN.  W: the
+   call's vector width (16: p in steps of 16 lanes where they fit). */
+FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float *l, float *alpha, float f,
+                                const int W)
 {
     const int g0 = a & ~7, g1 = (b + 7) & ~7;
     fxa_v8 mx = fxa_splat(FX_NEG_INF), sum = fxa_splat(0.0f);
     float mc;
     int r;
+    (void)W;
     *alpha = 1.0f;
     if (a >= b) {
         for (r = 0; r < n8; r += 8) fxa_store(s + r, fxa_splat(0.0f));
@@ -498,6 +501,15 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
     for (r = g0; r < g1; r += 8) sum = fxa_add(sum, fxa_load(s + r));
 #else
     for (r = g0; r < g1; r += 8) {
+#if FXA_HAVE_W16
+        if (W == 16 && r + 16 <= g1) { /* 16 lanes at once: the same p, the sum in another order */
+            const fxa_v16 pr = fxa16_exp2((fxa16_load(s + r) - fxa16_splat(mc)) * fxa16_splat(f));
+            fxa16_store(s + r, pr);
+            sum = fxa_add(sum, fxa16_fold8(pr));
+            r += 8;
+            continue;
+        }
+#endif
         const fxa_v8 pr = fxa_exp2(fxa_mul(fxa_sub(fxa_load(s + r), fxa_splat(mc)), fxa_splat(f)));
         fxa_store(s + r, pr);
         sum = fxa_add(sum, pr);
@@ -938,7 +950,8 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                                         r + FX_ATTN_RGA < n ? r + FX_ATTN_RGA : n, qs, qi, qf, sc, fa, fb, dt, W, idot,
                                         &pk);
                     for (i = 0; i < nv; i++)
-                        fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f);
+                        fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i, al + i, f,
+                                        W);
                     for (r = 0; r < n; r += FX_ATTN_RGC)
                         fxa_phase_pv(a, nvg, nh, 0, (size_t)g0 * dv, (size_t)g0 * ngv, &rows, r,
                                     r + FX_ATTN_RGC < n ? r + FX_ATTN_RGC : n, acc, sc, al, fa, fb, dt, W, &pv);
@@ -964,7 +977,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
 #endif
                         for (i = h * nvg; i < (h + 1) * nvg; i++)
                             fxa_softmax_step(sc + (size_t)i * FX_CS, (int)fa[i], (int)fb[i], n8, mm + i, ll + i,
-                                            al + i, f);
+                                            al + i, f, W);
                         fxa_phase_pv(a, nvg, 1, h * nvg, 0, 0, &packed, 0, n, acc, sc, al, fa, fb, FX_F32, W, NULL);
                     }
                 }

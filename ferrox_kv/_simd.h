@@ -206,20 +206,23 @@ FX_INLINE void fxa_transpose8(fxa_v8 *r)
    exactly 0, so no result is denormal; NaN gives NaN (a NaN score makes its
    query NaN, as in SDPA).  y = n + f, n = round(y); 2^f =
    e^(f ln2) by the Cephes expf polynomial on |f ln2| <= ln2/2; 2^n is built
-   in the exponent field.  Same steps as the scalar fxa_exp2f below. */
-#define fxa_exp2(y) __extension__({                                                    \
-    const fxa_v8 y_ = (y);                                                              \
-    const fxa_v8i keep_ = y_ >= -125.0f;                                                \
-    const fxa_v8 yc_ = (fxa_v8)((fxa_v8i)y_ & keep_); /* dropped lanes: 0, harmless */         \
-    const fxa_v8i n_ = __builtin_convertvector(yc_ - 0.5f, fxa_v8i); /* = round(yc_) */   \
-    const fxa_v8 g_ = (yc_ - __builtin_convertvector(n_, fxa_v8)) * 0.693147180559945f;   \
-    fxa_v8 p_ = g_ * 1.9875691500e-4f + 1.3981999507e-3f;                               \
+   in the exponent field.  Same steps as the scalar fxa_exp2f below.
+   FXA_EXP2(V, VI, y): the same on vectors of type V (VI: its lanes as
+   int32), so that every width computes the same bits per lane. */
+#define FXA_EXP2(V, VI, y) __extension__({                                             \
+    const V y_ = (y);                                                                   \
+    const VI keep_ = y_ >= -125.0f;                                                     \
+    const V yc_ = (V)((VI)y_ & keep_); /* dropped lanes: 0, harmless */                \
+    const VI n_ = __builtin_convertvector(yc_ - 0.5f, VI); /* = round(yc_) */           \
+    const V g_ = (yc_ - __builtin_convertvector(n_, V)) * 0.693147180559945f;           \
+    V p_ = g_ * 1.9875691500e-4f + 1.3981999507e-3f;                                    \
     p_ = p_ * g_ + 8.3334519073e-3f;                                                   \
     p_ = p_ * g_ + 4.1665795894e-2f;                                                   \
     p_ = p_ * g_ + 1.6666665459e-1f;                                                   \
     p_ = p_ * g_ + 5.0000001201e-1f;                                                   \
     p_ = (g_ * g_) * p_ + g_ + 1.0f;                                                   \
-    (fxa_v8)(((fxa_v8i)(p_ * (fxa_v8)((n_ + 127) << 23)) & keep_) | ((fxa_v8i)y_ & (y_ != y_))); })
+    (V)(((VI)(p_ * (V)((n_ + 127) << 23)) & keep_) | ((VI)y_ & (y_ != y_))); })
+#define fxa_exp2(y) FXA_EXP2(fxa_v8, fxa_v8i, y)
 
 /* Row loads: 8 values of a stored row as float32 (unaligned). */
 #define fxa_load_f32(p) ((fxa_v8)fxa_load(p))
@@ -275,6 +278,7 @@ typedef int32_t fxa_v16i __attribute__((vector_size(64)));
     const float x16_ = (x);                                                                       \
     (fxa_v16){x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_, x16_}; })
 #define fxa16_fold8(v) FX_FOLD(fxa_v16, fxa_v8, v)
+#define fxa16_exp2(y) FXA_EXP2(fxa_v16, fxa_v16i, y)
 #define FX_JOIN16(lo, hi) __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define fxa16_load_f32(p) fxa16_load(p)
 /* The widening loads below are single AVX-512 instructions (vpmovsxbd,
