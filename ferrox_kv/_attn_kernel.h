@@ -546,19 +546,26 @@ FX_INLINE size_t fxa_steps_a(ptrdiff_t nvg, int nh, int n, const int W, const in
     return steps * (size_t)nh;
 }
 
-/* Tiles of nvg vectors (FX_TILE_T): phase A's steps on a packed head. */
-FX_INLINE size_t fxa_steps_t(ptrdiff_t nvg)
+/* Phase C's steps over n rows: per kv head, its tiles times the RGC-row groups. */
+FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
 {
     size_t tiles = 0;
     ptrdiff_t i0;
     for (i0 = 0; i0 < nvg; i0 += FX_TILE_T(nvg - i0)) tiles++;
-    return tiles;
+    return tiles * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
 }
 
-/* Phase C's steps over n rows: per kv head, its tiles times the RGC-row groups. */
-FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
+/* Vectors per score tile on a packed head: 8 on 16-float vectors, else
+   as FX_TILE_T. */
+#define FX_TILE_TP(left, W) ((W) == 16 && (left) >= 8 ? 8 : FX_TILE_T(left))
+
+/* Phase A's steps on a packed head: its tiles (FX_TILE_TP). */
+FX_INLINE size_t fxa_steps_t(ptrdiff_t nvg, const int W)
 {
-    return fxa_steps_t(nvg) * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
+    size_t tiles = 0;
+    ptrdiff_t i0;
+    for (i0 = 0; i0 < nvg; i0 += FX_TILE_TP(nvg - i0, W)) tiles++;
+    return tiles;
 }
 
 /* Rows [ua, ub) of the chunk that some vector of tile i0 .. i0+T-1 sees
@@ -631,22 +638,23 @@ FX_INLINE void fxa_phase_scores(const fx_attn_args *a, ptrdiff_t nvg, int nh, pt
 
 /* Phase A on a packed head: scores of the tiles of vectors i1 .. i1+nvg
    against the transposed K slice kt (FX_KT floats per dimension), for the
-   groups of 3W rows that hold a row the tile sees.  Each tile is a step of
-   the walk pf (fxa_steps_t of them). */
+   groups of 3W rows that hold a row the tile sees.  Tiles of FX_TILE_TP
+   vectors, each a step of the walk pf (fxa_steps_t of them). */
 FX_INLINE void fxa_phase_scores_t(int hd, ptrdiff_t nvg, ptrdiff_t i1, const float *kt, const float *qs, float *sc,
                                   const float *fa, const float *fb, const int W, fxa_pf *pf)
 {
     const ptrdiff_t iend = i1 + nvg;
     ptrdiff_t i0;
-    for (i0 = i1; i0 < iend; i0 += FX_TILE_T(iend - i0)) {
-        const int T = FX_TILE_T(iend - i0);
+    for (i0 = i1; i0 < iend; i0 += FX_TILE_TP(iend - i0, W)) {
+        const int T = FX_TILE_TP(iend - i0, W);
         int ua, ub, rr;
         float *s = sc + (size_t)i0 * FX_CS;
         const float *q = qs + (size_t)i0 * hd;
         fxa_pf_step(pf);
         fxa_tile_rows(fa, fb, i0, T, &ua, &ub);
         for (rr = ua / (3 * W) * (3 * W); rr < ub; rr += 3 * W) {
-            if (T == 4) FXA_QKT_TILE(W, 4, q, hd, kt, rr, s);
+            if (T == 8) FXA_QKT_TILE(W, 8, q, hd, kt, rr, s);
+            else if (T == 4) FXA_QKT_TILE(W, 4, q, hd, kt, rr, s);
             else if (T == 2) FXA_QKT_TILE(W, 2, q, hd, kt, rr, s);
             else FXA_QKT_TILE(W, 1, q, hd, kt, rr, s);
         }
@@ -969,7 +977,7 @@ FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const flo
                             fxa_pf_add(&pk, nk, npf, a, g0 + h, 1, hd, dt);
                             fxa_pf_add(&pk, nvr, npf, a, g0 + h, 1, dv, dt);
                         }
-                        fxa_pf_start(&pk, fxa_steps_t(nvg));
+                        fxa_pf_start(&pk, fxa_steps_t(nvg, W));
                         fxa_pack_head(&rows, n, g0 + h, hd, dv, kt, krow, vbuf, &packed, dt);
                         fxa_phase_scores_t(hd, nvg, h * nvg, kt, qs, sc, fa, fb, W, &pk);
 #ifdef FX_ATTN_CHECK_PF /* every tile is a step: the walk ended */

@@ -49,13 +49,14 @@ FX_INLINE void FXT(fxa_qk_tile)(const int T, const int R, const float *q, int hd
         for (r = 0; r < R; r++) s[t * FX_CS + r] = sum[t * R + r];
 }
 
-/* s[t*FX_CS + r] = q_t . k_r for T queries and the 3W rows r0 .. r0+3W of
-   a packed, transposed K slice (kt[d*FX_KT + r] = k_r[d]): each query
-   value is broadcast against W rows at once, so no horizontal sum is
-   needed.  Rows past the chunk's last give scores nobody reads. */
+/* s[t*FX_CS + r] = q_t . k_r for T queries (T <= 8; 8 only on 16-float
+   vectors, whose 32 registers hold its 24 accumulators) and the 3W rows
+   r0 .. r0+3W of a packed, transposed K slice (kt[d*FX_KT + r] = k_r[d]):
+   each query value is broadcast against W rows at once, so no horizontal
+   sum is needed.  Rows past the chunk's last give scores nobody reads. */
 FX_INLINE void FXT(fxa_qkt_tile)(const int T, const float *q, int hd, const float *kt, int r0, float *s)
 {
-    FXT_V acc[12], kr[3];
+    FXT_V acc[24], kr[3];
     int t, j, d;
     for (t = 0; t < 3 * T; t++) acc[t] = FXT_SPLAT(0.0f);
     for (d = 0; d < hd; d++) {
