@@ -35,7 +35,8 @@
  *     pointers, so contiguous and paged caches share one path and a chunk
  *     may straddle blocks.  Query vectors sharing a kv head are processed
  *     in tiles of 4 (GQA heads of one position, or several positions):
- *     each K/V vector loaded feeds 4 queries.  Where many query vectors
+ *     each K/V vector loaded feeds 4 queries (8 in the score tiles of a
+ *     packed head on 16-float vectors, FX_TILE_TP).  Where many query vectors
  *     share a kv head (prefill) its K slice is packed transposed, so the
  *     scores of a tile come out as vectors over rows, with no horizontal
  *     sum.  See fx_attend for the loop nest.
@@ -82,7 +83,8 @@
 #ifndef FX_ATTN_RGC        /* unpacked: rows per group in the p.V phase */
 #define FX_ATTN_RGC 24
 #endif
-#ifndef FX_ATTN_PREFETCH   /* 1: unpacked passes over 16-bit, int8, int4 rows prefetch them (fxa_pf) */
+#ifndef FX_ATTN_PREFETCH   /* 1: passes prefetch the next chunk's rows (fxa_pf): unpacked ones over
+                              16-bit, int8, int4 rows, packed ones over rows of every dtype */
 #define FX_ATTN_PREFETCH 1
 #endif
 #if FX_ATTN_CHUNK % 8 != 0 || FX_ATTN_CHUNK < 8 || FX_ATTN_CHUNK > 256
@@ -179,14 +181,17 @@ FX_INLINE void fxa_chunk_rows(const fx_kv *kv, const fx_attn_args *a, ptrdiff_t 
 /* A walk, in memory order, over the cache lines the kernel will read: up
    to three segments of rows, and of each row the bytes [b0, b1) of the
    pass's kv heads' values, then [s0, s1) of their int8 / int4 group scales
-   (empty for other dtypes).  Each step of a phase (phase A: R rows of a
-   tile; phase C: a tile and row group) prefetches the walk's next m lines
-   into L2, m set so that the walk ends with the phase where every vector
-   sees every row of the chunk (a little short otherwise), so that rows from
-   memory arrive while the kernel computes.  Spread this way the requests
-   keep arriving at the rate the kernel reads; a row group's lines issued
-   at once gained less (benchmarks/NOTES.md).  Float32 rows are left to
-   the hardware prefetcher, which keeps pace with them. */
+   (empty for other dtypes).  Each step of a phase (unpacked phase A: R
+   rows of a tile; phase C: a tile and row group; packed phase A: a tile)
+   prefetches the walk's next m lines into L2, m set so that the walk ends
+   with the phase where every vector sees every row of the chunk (a little
+   short otherwise; a packed phase A steps on every tile, so its walk
+   always ends), so that rows from memory arrive while the kernel
+   computes.  Spread this way the requests keep arriving at the rate the
+   kernel reads; a row group's lines issued at once gained less
+   (benchmarks/NOTES.md).  In unpacked passes float32 rows are left to the
+   hardware prefetcher, which keeps pace with them; a packed pass reads
+   one head's slice of each row, which it does not follow. */
 typedef struct {
     const char *const *row;
     int n;
@@ -500,16 +505,16 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
     for (r = g0; r < g1; r++) s[r] = expf((s[r] - mc) * f * 0.693147180559945f);
     for (r = g0; r < g1; r += 8) sum = fxa_add(sum, fxa_load(s + r));
 #else
-    for (r = g0; r < g1; r += 8) {
+    r = g0;
 #if FXA_HAVE_W16
-        if (W == 16 && r + 16 <= g1) { /* 16 lanes at once: the same p, the sum in another order */
+    if (W == 16) /* 16 lanes at once where they fit: the same p, the sum in another order */
+        for (; r + 16 <= g1; r += 16) {
             const fxa_v16 pr = fxa16_exp2((fxa16_load(s + r) - fxa16_splat(mc)) * fxa16_splat(f));
             fxa16_store(s + r, pr);
             sum = fxa_add(sum, fxa16_fold8(pr));
-            r += 8;
-            continue;
         }
 #endif
+    for (; r < g1; r += 8) {
         const fxa_v8 pr = fxa_exp2(fxa_mul(fxa_sub(fxa_load(s + r), fxa_splat(mc)), fxa_splat(f)));
         fxa_store(s + r, pr);
         sum = fxa_add(sum, pr);
@@ -521,7 +526,8 @@ FX_INLINE void fxa_softmax_step(float *s, int a, int b, int n8, float *m, float 
 /* Query vectors of one pass are numbered kv-head-major: i = h*nvg + pos*G + jj
    (h-th kv head of the pass, position pos within the pass, query head jj
    within the group), so the vectors sharing a kv head are consecutive.
-   Tiles are runs of 4 (then 2, 1) consecutive vectors of one kv head. */
+   Tiles are runs of 4 (then 2, 1) consecutive vectors of one kv head
+   (FX_TILE_T; a packed head's score tiles on 16-float vectors: FX_TILE_TP). */
 #define FX_TILE_T(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
 /* Rows per score tile of T vectors: 4 x 4 (16 accumulators) for the float
    tile on 16-float vectors (32 registers); 4 x 3 for 8-float vectors (16
@@ -802,7 +808,7 @@ static inline FX_UNUSED void fxa_pass_shape(const fx_attn_args *a, ptrdiff_t *nq
 }
 
 /* A kv head's K/V slices are packed into contiguous buffers when more than
-   FX_ATTN_PACK_MIN query vectors (8 tiles) of a pass share them. */
+   FX_ATTN_PACK_MIN query vectors (8 tiles of 4) of a pass share them. */
 #define FX_PACKS(nvg) ((nvg) > FX_ATTN_PACK_MIN)
 
 /* Floats of scratch fx_attend needs, for the nv query vectors of a pass:
@@ -854,7 +860,8 @@ FX_INLINE float fxa_exp_scales(float scale, float *f)
        a head's slices of a row group are not needed after its tiles.
      more (prefill, MQA with G > 32)
        for kv heads: pack the chunk's K slice transposed and its V slice
-       contiguously, then A (on the transposed K: no horizontal sums), B, C
+       contiguously, then A (on the transposed K: no horizontal sums; it
+       prefetches the head's slices of the next chunk, fxa_pf), B, C
        over the whole chunk for every tile of the head (the packed slices
        stay in L1 across the tiles that reuse them). */
 FX_INLINE void fxa_attend_body(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch,

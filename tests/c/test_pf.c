@@ -34,7 +34,7 @@ static size_t pf_lines(const char *p, size_t len, uintptr_t *want, size_t k)
 /* Bytes of n stored values, apart from _conv.h's helpers. */
 static size_t pf_bytes(size_t n, int dt)
 {
-    return dt == FX_I8 ? n : dt == FX_I4 ? n / 2 : 2 * n;
+    return dt == FX_F32 ? 4 * n : dt == FX_I8 ? n : dt == FX_I4 ? n / 2 : 2 * n;
 }
 
 static char pf_buf[1 << 22]; /* 2 x (FX_C + 3) rows of up to 2 KiB + 64, FX_C <= 256 */
@@ -42,7 +42,7 @@ static uintptr_t pf_want[PF_MAX];
 
 int pf_tests(void)
 {
-    static const int dts[] = {FX_F16, FX_BF16, FX_F16C, FX_I8, FX_I4};
+    static const int dts[] = {FX_F32, FX_F16, FX_BF16, FX_F16C, FX_I8, FX_I4};
     static const int geo[][2] = {{8, 128}, {3, 96}, {2, 64}, {1, 32}}; /* Hkv, head dim */
     static const int ns[] = {1, 5, FX_C};
     static const size_t steps_of[] = {1, 7, 100000};
