@@ -552,17 +552,8 @@ FX_INLINE size_t fxa_steps_a(ptrdiff_t nvg, int nh, int n, const int W, const in
     return steps * (size_t)nh;
 }
 
-/* Phase C's steps over n rows: per kv head, its tiles times the RGC-row groups. */
-FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
-{
-    size_t tiles = 0;
-    ptrdiff_t i0;
-    for (i0 = 0; i0 < nvg; i0 += FX_TILE_T(nvg - i0)) tiles++;
-    return tiles * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
-}
-
 /* Vectors per score tile on a packed head: 8 on 16-float vectors, else
-   as FX_TILE_T. */
+   as FX_TILE_T (so FX_TILE_TP(left, 8) is FX_TILE_T(left)). */
 #define FX_TILE_TP(left, W) ((W) == 16 && (left) >= 8 ? 8 : FX_TILE_T(left))
 
 /* Phase A's steps on a packed head: its tiles (FX_TILE_TP). */
@@ -572,6 +563,13 @@ FX_INLINE size_t fxa_steps_t(ptrdiff_t nvg, const int W)
     ptrdiff_t i0;
     for (i0 = 0; i0 < nvg; i0 += FX_TILE_TP(nvg - i0, W)) tiles++;
     return tiles;
+}
+
+/* Phase C's steps over n rows: per kv head, its tiles (FX_TILE_T, at any
+   width) times the RGC-row groups. */
+FX_INLINE size_t fxa_steps_c(ptrdiff_t nvg, int nh, int n)
+{
+    return fxa_steps_t(nvg, 8) * (size_t)nh * (size_t)((n + FX_ATTN_RGC - 1) / FX_ATTN_RGC);
 }
 
 /* Rows [ua, ub) of the chunk that some vector of tile i0 .. i0+T-1 sees
