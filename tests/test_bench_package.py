@@ -154,6 +154,12 @@ def _synthetic_results():
                      "attention.attend.vs_floor", "attention.threads2.vs_floor"):
             res.add("attention", "llama8b", slug, "a", 1.0, "us/call", 1.0, "x", context=T,
                     read_gbs=10.0)
+        for slug in ("attention.mem.attend.vs_sdpa", "attention.mem.attend.vs_floor",
+                     "attention.mem.attend.vs_1thread"):
+            res.add("attention", "llama8b", slug, "a", 1.0, "us/call", 1.0, "x", context=T,
+                    threads=2, memory=True, floor_vs_sdpa=0.3)
+    res.add("precision", "llama8b", "precision.attend.float32", "p", 1.0, "us/call", 1.0, "x",
+            dtype="float32", context=8192, threads=2)
     for T in (128, 2048, 8192):
         res.add("hf", "llama-2L", "hf.ferrox.vs_dynamic", "hf", 1.0, "ms/token", 0.5, "x",
                 context=T)
@@ -426,3 +432,86 @@ def test_the_int8_fit_target_is_on_bytes_and_is_met():
     assert v.target.goal == 3.76 and v.verdict == "met" and 3.76 <= v.value < 3.77
     assert "precision.fit.int8" not in got
     assert all(x.verdict == "met" for x in got.values()), got
+
+
+def test_each_decode_goal_is_set_back_to_back_and_from_memory():
+    """The N-thread decode goals hold for both measurements: calls back to
+    back (a context the caches hold) and single calls after the caches
+    were evicted (a model's decode)."""
+    targets = _all_targets(_synthetic_results())
+    goals = {(t.slug, tuple(sorted(t.where.items()))): t.goal for t in targets if t.goal}
+    pairs = [("attention.attend.vs_sdpa", "attention.mem.attend.vs_sdpa"),
+             ("attention.attend.vs_floor", "attention.mem.attend.vs_floor"),
+             ("attention.attend.vs_1thread", "attention.mem.attend.vs_1thread")]
+    pairs += [(f"precision.{k}.{dt}", f"precision.mem.{k}.{dt}")
+              for k in ("attend", "attend_floor") for dt in ("float16", "bfloat16", "int8")]
+    pairs += [(f"precision.attend_sdpa.{dt}", f"precision.mem.attend_sdpa.{dt}")
+              for dt in ("float32", "bfloat16")]
+    plain = {k: v for k, v in goals.items() if ".mem." not in k[0]}
+    mem = {k: v for k, v in goals.items() if ".mem." in k[0]}
+    for a, b in pairs:
+        at = {where: g for (slug, where), g in mem.items() if slug == b}
+        assert at, b
+        for where, g in at.items():
+            assert plain.get((a, where), g) == g
+    assert any(t.slug == "precision.mem.attend.int8" and t.goal == 0.5
+               and t.where["context"] == 8192 and t.where["threads"] == 2 for t in targets)
+
+
+@pytest.mark.parametrize("floor,bound", [(0.55, True), (0.3, False)])
+def test_a_from_memory_sdpa_miss_is_the_hardwares_where_the_read_floor_misses_too(floor, bound):
+    from ferrox_kv.bench.groups.attention import targets
+    res = Results()
+    res.add("attention", "llama8b", "attention.mem.attend.vs_sdpa", "a", 1.0, "us/call", 0.6,
+            "SDPA from memory", context=2048, threads=2, memory=True, floor_vs_sdpa=floor)
+    (v,) = [v for v in evaluate(targets(res), res) if v.verdict]
+    assert v.verdict == "MISSED" and v.hardware_bound is bound
+    assert f"the read floor vs SDPA {floor}" in v.hint
+
+
+def test_llc_bytes_takes_the_largest_cache_of_sysfs(tmp_path):
+    from ferrox_kv.bench.harness import llc_bytes
+    for name, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "480M"), ("junk", "x")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert llc_bytes(str(tmp_path)) == 480 << 20
+    assert llc_bytes(str(tmp_path / "none")) == 256 << 20
+
+
+def test_from_memory_rows_time_single_calls_after_an_eviction(monkeypatch):
+    """Both groups' from-memory rows: every variant's call comes after
+    ``evict_caches`` (counted), with ratios of that run's own figures."""
+    import numpy as np
+
+    from ferrox_kv import KvBlockPool, KvCache
+    from ferrox_kv.bench import harness
+    from ferrox_kv.bench.groups import attention, precision
+    calls = []
+    monkeypatch.setattr(harness, "_EVICT", [])
+    monkeypatch.setattr(harness, "llc_bytes", lambda: 1 << 20)
+
+    def counted():
+        calls.append(1)
+        return harness.evict_caches()
+    monkeypatch.setattr(attention, "evict_caches", counted)
+    monkeypatch.setattr(precision, "evict_caches", counted)
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((48, 8, 128), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((32, 128), dtype=np.float32)
+    cache = KvCache.with_pool(8, 128, KvBlockPool(16, 3, 8, 128), 48)
+    cache.extend(k, v)
+    res = Results()
+    attention._from_memory(res, cache, q, np.empty((32, 128), np.float32), 1, 1, None, 48)
+    assert len(calls) == 2 * 4          # attend and the floor, 1 warm-up + 3 timed each
+    assert harness._EVICT[0].nbytes == 2 << 20
+    rows = {r["slug"]: r for r in res.rows}
+    assert set(rows) == {"attention.mem.floor", "attention.mem.attend.vs_floor"}
+    r = rows["attention.mem.attend.vs_floor"]
+    assert r["memory"] and r["ratio"] == r["value"] / rows["attention.mem.floor"]["value"]
+    calls.clear()
+    caches = {"float32": cache}
+    precision._decode_from_memory(res, caches, q, k, v, 48, 1, 1, None)
+    assert len(calls) == 2 * 4
+    got = {r["slug"] for r in res.rows if r["slug"].startswith("precision.mem.")}
+    assert got == {"precision.mem.attend.float32", "precision.mem.attend_floor.float32"}
+    cache.close()

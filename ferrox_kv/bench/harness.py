@@ -282,3 +282,38 @@ def rss():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return None
+
+
+def llc_bytes(root="/sys/devices/system/cpu/cpu0/cache"):
+    """The size of the largest CPU cache (sysfs), or 256 MiB where unknown."""
+    sizes = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else 256 << 20
+
+
+_EVICT = []
+
+
+def evict_caches():
+    """Reads a buffer of twice the largest cache's size (at most 2 GiB,
+    allocated on first use), one float per 64-byte line, so that a call timed
+    next finds none of its own data in a CPU cache. A model's decode meets
+    each layer's K/V that way: the other layers' weights and rows went
+    through the caches since the step before. The "from memory" rows of
+    the bench time single calls after it."""
+    if not _EVICT:
+        _EVICT.append(np.ones(min(2 * llc_bytes(), 2 << 30) // 4, np.float32))
+    return float(_EVICT[0][::16].sum())
