@@ -3,16 +3,17 @@
 @cython.final
 @cython.no_gc
 cdef class _Rows:
-    """One malloc'd buffer: ``cap`` K rows followed by ``cap`` V rows. Views of
-    a contiguous cache keep exactly the buffer they show alive."""
+    """One buffer (``fx_big_alloc``): ``cap`` K rows followed by ``cap`` V
+    rows. Views of a contiguous cache keep exactly the buffer they show alive."""
 
     def __cinit__(self):
         self.k = NULL
         self.v = NULL
         self.cap = 0
+        self.nbytes = 0
 
     def __dealloc__(self):
-        free(self.k)
+        fx_big_free(self.k, self.nbytes)
         self.k = NULL
         self.v = NULL
 
@@ -23,10 +24,10 @@ cdef _Rows _rows_new(Py_ssize_t cap, Cache* c):
     if (fx_mul(<size_t>cap, c.k_row + c.v_row, &nbytes) or nbytes > _MAX_BYTES):
         raise ValueError(f"capacity {cap} x {c.k_row + c.v_row} bytes overflows the byte count")
     cdef _Rows r = _Rows.__new__(_Rows)
-    r.k = <char*>malloc(nbytes if nbytes > 0 else 1)
+    r.k = <char*>fx_big_alloc(nbytes, False)
     if r.k == NULL:
         raise MemoryError(f"cannot allocate {nbytes} bytes for {cap} KV rows")
-    fx_advise_huge(r.k, nbytes)
+    r.nbytes = nbytes
     r.v = r.k + <size_t>cap * c.k_row
     r.cap = cap
     return r

@@ -42,7 +42,8 @@ cdef extern from "_fx.h" nogil:
     int32_t fx_load(const int32_t* p)
     void fx_store(int32_t* p, int32_t v)
     bint fx_mul(size_t a, size_t b, size_t* out)
-    void fx_advise_huge(void* p, size_t nbytes)
+    void* fx_big_alloc(size_t nbytes, bint zero)
+    void fx_big_free(void* p, size_t nbytes)
     bint fx_overlap(const void* a, size_t an, const void* b, size_t bn)
     uint64_t fx_block_key(uint64_t parent, const int32_t* tokens, Py_ssize_t n,
                           uint64_t layers, uint64_t salt)
@@ -426,6 +427,7 @@ cdef class _Rows:
     cdef char* k
     cdef char* v
     cdef Py_ssize_t cap
+    cdef size_t nbytes        # of k's buffer (fx_big_free)
 
 
 cdef class KvCache:

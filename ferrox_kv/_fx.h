@@ -6,6 +6,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -48,18 +49,42 @@ static inline void fx_store(int32_t *p, int32_t v) { __atomic_store_n(p, v, __AT
 /* 1 when a * b overflows size_t. */
 static inline int fx_mul(size_t a, size_t b, size_t *out) { return __builtin_mul_overflow(a, b, out); }
 
-/* Ask for transparent huge pages on large buffers, as numpy does for its own
- * (>= 4 MiB): first-touch page faults then cost 512x fewer traps. The pages
- * stay lazily allocated, so untouched memory still costs none. */
-static inline void fx_advise_huge(void *p, size_t nbytes) {
+/* Buffers of K/V rows (pool arenas, contiguous rows).  From FX_BIG_MIN
+ * bytes they are mapped directly, 2 MiB aligned and advised for transparent
+ * huge pages: a decode reads each layer's rows from memory once a step, and
+ * with 4 KiB pages every page costs it a page walk.  malloc cannot promise
+ * huge pages: glibc serves requests below its mmap threshold (which rises
+ * to 32 MiB once a large block is freed) from reused heap memory, already
+ * faulted in 4 KiB pages.  Mapped pages are zero and stay lazily allocated,
+ * so untouched rows cost nothing.  Smaller buffers come from calloc (zero)
+ * or malloc.  fx_big_free takes the nbytes the buffer was allocated with. */
+#define FX_BIG_MIN ((size_t)4 << 20)
+#define FX_BIG_ALIGN ((size_t)2 << 20)
+
+static inline size_t fx_big_len(size_t nbytes) { return (nbytes + 4095) & ~(size_t)4095; }
+
+static inline void *fx_big_alloc(size_t nbytes, int zero) {
+    size_t len, span;
+    char *m, *p;
+    if (nbytes < FX_BIG_MIN) return zero ? calloc(nbytes ? nbytes : 1, 1) : malloc(nbytes ? nbytes : 1);
+    if (nbytes > SIZE_MAX - 2 * FX_BIG_ALIGN) return NULL;
+    len = fx_big_len(nbytes);
+    span = len + FX_BIG_ALIGN;
+    m = (char *)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    p = (char *)(((uintptr_t)m + FX_BIG_ALIGN - 1) & ~(uintptr_t)(FX_BIG_ALIGN - 1));
+    if (p > m) munmap(m, (size_t)(p - m));
+    if (m + span > p + len) munmap(p + len, (size_t)(m + span - (p + len)));
 #ifdef MADV_HUGEPAGE
-    if (p != NULL && nbytes >= ((size_t)4 << 20)) {
-        size_t page = 4096;
-        size_t start = ((size_t)p + page - 1) & ~(page - 1);
-        size_t end = ((size_t)p + nbytes) & ~(page - 1);
-        if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
-    }
+    madvise(p, len, MADV_HUGEPAGE);
 #endif
+    return p;
+}
+
+static inline void fx_big_free(void *p, size_t nbytes) {
+    if (p == NULL) return;
+    if (nbytes < FX_BIG_MIN) free(p);
+    else munmap(p, fx_big_len(nbytes));
 }
 
 /* 1 when [a, a + an) and [b, b + bn) share a byte. */

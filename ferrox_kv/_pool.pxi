@@ -26,9 +26,10 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int
                     int dtype, bint prefix_cache) noexcept nogil:
     """Allocate a pool; NULL when memory is short. Sizes are pre-validated.
 
-    Creation is O(1) in resident memory: the arenas and per-block arrays are
-    calloc'd or malloc'd and only the pages that blocks touch become resident
-    (the free list is written only as blocks come back)."""
+    Creation is O(1) in resident memory: the arenas (fx_big_alloc) and the
+    per-block arrays are allocated, not written, so only the pages that
+    blocks touch become resident (the free list is written only as blocks
+    come back)."""
     global _registry_head
     cdef Pool* p = <Pool*>calloc(1, sizeof(Pool))
     cdef size_t n_k, n_v
@@ -51,8 +52,8 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int
     p.v_block = <size_t>block_size * p.v_row
     n_k = <size_t>total * p.k_block
     n_v = <size_t>total * p.v_block
-    p.k_arena = <char*>calloc(n_k if n_k > 0 else 1, 1)
-    p.v_arena = <char*>calloc(n_v if n_v > 0 else 1, 1)
+    p.k_arena = <char*>fx_big_alloc(n_k, True)
+    p.v_arena = <char*>fx_big_alloc(n_v, True)
     p.free_stack = <int32_t*>malloc(nb * sizeof(int32_t))
     p.refs = <int32_t*>calloc(nb, sizeof(int32_t))
     p.owner = <unsigned char*>calloc(nb, 1)
@@ -64,8 +65,6 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int
             or (prefix_cache and p.prefix == NULL)):
         _pool_free_memory(p)
         return NULL
-    fx_advise_huge(p.k_arena, n_k)
-    fx_advise_huge(p.v_arena, n_v)
     pthread_mutex_init(&p.lock, NULL)
     p.refcnt = 1
     # the registry stays in address order: the order pools are locked in
@@ -88,8 +87,8 @@ cdef Pool* pool_new(Py_ssize_t block_size, Py_ssize_t total, int nh, int hd, int
 
 
 cdef void _pool_free_memory(Pool* p) noexcept nogil:
-    free(p.k_arena)
-    free(p.v_arena)
+    fx_big_free(p.k_arena, <size_t>p.total * p.k_block)
+    fx_big_free(p.v_arena, <size_t>p.total * p.v_block)
     free(p.free_stack)
     free(p.refs)
     free(p.owner)

@@ -417,3 +417,70 @@ def test_many_cache_lifetimes_do_not_grow_resident_memory(make_rows):
     churn(2000)                                   # ~ 2000 x 3 x 320 KiB allocated and freed
     assert _rss_bytes() - before < 16 << 20
     assert pool.free_blocks == 64
+
+
+# -- large row buffers: their own 2 MiB-aligned mappings, huge-page advised ----
+
+def _mapping(addr):
+    """(start, end, VmFlags) of this process's mapping that holds ``addr``."""
+    cur = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if not first.endswith(":"):             # a mapping's first line: "lo-hi perms ..."
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                cur = (lo, hi) if lo <= addr < hi else None
+            elif first == "VmFlags:" and cur is not None:
+                return cur[0], cur[1], line.split()[1:]
+    return None
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def _thp_on():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_pool_arenas_are_their_own_huge_page_mappings(dtype):
+    """From 4 MiB an arena is mapped on its own, 2 MiB aligned and advised
+    for huge pages (a decode reads it from memory once a step), whatever
+    malloc did before; it is unmapped with the pool."""
+    junk = [np.ones(5 << 18, np.float32) for _ in range(4)]   # churn malloc's heap first
+    del junk[::2]
+    blocks = 64 if dtype == "float32" else 128                # 4 MiB per arena
+    pool = KvBlockPool(16, blocks, 8, 128, dtype=dtype)
+    for view in (pool.key_blocks, pool.value_blocks):
+        a = _addr(view)
+        assert view.nbytes == 4 << 20 and a % (2 << 20) == 0
+        lo, hi, flags = _mapping(a)
+        assert lo == a and hi - lo == 4 << 20       # exactly the arena: nothing else shares it
+        assert ("hg" in flags) == _thp_on()
+        del view
+    c = KvCache.with_pool(8, 128, pool, 32)
+    c.extend(np.ones((32, 8, 128), np.float32), np.ones((32, 8, 128), np.float32))
+    assert np.array_equal(c.k, np.ones((32, 8, 128), np.float32))
+    ka = _addr(pool.key_blocks)
+    c.close()
+    del pool
+    gc.collect()
+    assert _mapping(ka) is None                     # unmapped with the pool
+    small = KvBlockPool(16, 4, 8, 128, dtype=dtype)  # below 4 MiB: calloc, zero like the mapped ones
+    assert not small.key_blocks.any() and not small.value_blocks.any()
+
+
+def test_large_contiguous_rows_are_a_huge_page_mapping():
+    c = KvCache.with_capacity(8, 128, 1024)         # 4 MiB of K then 4 MiB of V in one buffer
+    c.push(np.ones((8, 128), np.float32), np.full((8, 128), 2, np.float32))
+    a = _addr(c.k)
+    lo, hi, flags = _mapping(a)
+    assert a == lo and lo % (2 << 20) == 0 and hi - lo == 8 << 20
+    assert ("hg" in flags) == _thp_on()
+    assert c.v[0, 0, 0] == 2 and len(c) == 1
+    c.close()
