@@ -10,6 +10,7 @@
 #include <string.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "_conv.h"
 
@@ -61,7 +62,11 @@ static inline int fx_mul(size_t a, size_t b, size_t *out) { return __builtin_mul
 #define FX_BIG_MIN ((size_t)4 << 20)
 #define FX_BIG_ALIGN ((size_t)2 << 20)
 
-static inline size_t fx_big_len(size_t nbytes) { return (nbytes + 4095) & ~(size_t)4095; }
+/* nbytes rounded up to whole pages (4 KiB, or 16 / 64 KiB on some arm64 kernels) */
+static inline size_t fx_big_len(size_t nbytes) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return (nbytes + page - 1) & ~(page - 1);
+}
 
 static inline void *fx_big_alloc(size_t nbytes, int zero) {
     size_t len, span;
