@@ -515,3 +515,18 @@ def test_from_memory_rows_time_single_calls_after_an_eviction(monkeypatch):
     got = {r["slug"] for r in res.rows if r["slug"].startswith("precision.mem.")}
     assert got == {"precision.mem.attend.float32", "precision.mem.attend_floor.float32"}
     cache.close()
+
+
+@pytest.mark.parametrize("cpus", [1, 3])
+def test_evict_caches_reads_the_whole_buffer_split_over_the_usable_cpus(monkeypatch, cpus):
+    import threading
+
+    from ferrox_kv.bench import harness
+    monkeypatch.setattr(harness, "_EVICT", [])
+    monkeypatch.setattr(harness, "llc_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(harness, "usable_cpus", lambda: cpus)
+    started = []
+    real = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda t: (started.append(t), real(t))[1])
+    assert harness.evict_caches() == (2 << 20) // 4 // 16     # every 16th float of 2 MiB of ones
+    assert len(started) == cpus - 1                           # the caller reads one part itself
