@@ -57,9 +57,10 @@ static inline int fx_mul(size_t a, size_t b, size_t *out) { return __builtin_mul
  * huge pages: glibc serves requests below its mmap threshold (which rises
  * to 32 MiB once a large block is freed) from reused heap memory, already
  * faulted in 4 KiB pages.  Mapped pages are zero and stay lazily allocated,
- * so untouched rows cost nothing.  Smaller buffers come from calloc (zero)
- * or malloc.  fx_big_free takes the nbytes the buffer was allocated with. */
-#define FX_BIG_MIN ((size_t)4 << 20)
+ * so untouched rows cost nothing.  Buffers smaller than one huge page come
+ * from calloc (zero) or malloc.  fx_big_free takes the nbytes the buffer was
+ * allocated with. */
+#define FX_BIG_MIN ((size_t)2 << 20)
 #define FX_BIG_ALIGN ((size_t)2 << 20)
 
 /* nbytes rounded up to whole pages (4 KiB, or 16 / 64 KiB on some arm64 kernels) */

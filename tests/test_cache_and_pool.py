@@ -449,18 +449,18 @@ def _thp_on():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_large_pool_arenas_are_their_own_huge_page_mappings(dtype):
-    """From 4 MiB an arena is mapped on its own, 2 MiB aligned and advised
+    """From 2 MiB an arena is mapped on its own, 2 MiB aligned and advised
     for huge pages (a decode reads it from memory once a step), whatever
     malloc did before; it is unmapped with the pool."""
     junk = [np.ones(5 << 18, np.float32) for _ in range(4)]   # churn malloc's heap first
     del junk[::2]
-    blocks = 64 if dtype == "float32" else 128                # 4 MiB per arena
+    blocks = 32 if dtype == "float32" else 64                 # 2 MiB per arena
     pool = KvBlockPool(16, blocks, 8, 128, dtype=dtype)
     for view in (pool.key_blocks, pool.value_blocks):
         a = _addr(view)
-        assert view.nbytes == 4 << 20 and a % (2 << 20) == 0
+        assert view.nbytes == 2 << 20 and a % (2 << 20) == 0
         lo, hi, flags = _mapping(a)
-        assert lo == a and hi - lo == 4 << 20       # exactly the arena: nothing else shares it
+        assert lo == a and hi - lo == 2 << 20       # exactly the arena: nothing else shares it
         assert ("hg" in flags) == _thp_on()
         del view
     c = KvCache.with_pool(8, 128, pool, 32)
@@ -471,7 +471,7 @@ def test_large_pool_arenas_are_their_own_huge_page_mappings(dtype):
     del pool
     gc.collect()
     assert _mapping(ka) is None                     # unmapped with the pool
-    small = KvBlockPool(16, 4, 8, 128, dtype=dtype)  # below 4 MiB: calloc, zero like the mapped ones
+    small = KvBlockPool(16, 4, 8, 128, dtype=dtype)  # below 2 MiB: calloc, zero like the mapped ones
     assert not small.key_blocks.any() and not small.value_blocks.any()
 
 
