@@ -490,11 +490,12 @@ def test_from_memory_rows_time_single_calls_after_an_eviction(monkeypatch):
     monkeypatch.setattr(harness, "_EVICT", [])
     monkeypatch.setattr(harness, "llc_bytes", lambda: 1 << 20)
 
+    evict = harness.evict_caches
+
     def counted():
         calls.append(1)
-        return harness.evict_caches()
-    monkeypatch.setattr(attention, "evict_caches", counted)
-    monkeypatch.setattr(precision, "evict_caches", counted)
+        return evict()
+    monkeypatch.setattr(harness, "evict_caches", counted)
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((48, 8, 128), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((32, 128), dtype=np.float32)
@@ -510,10 +511,15 @@ def test_from_memory_rows_time_single_calls_after_an_eviction(monkeypatch):
     assert r["memory"] and r["ratio"] == r["value"] / rows["attention.mem.floor"]["value"]
     calls.clear()
     caches = {"float32": cache}
-    precision._decode_from_memory(res, caches, q, k, v, 48, 1, 1, None)
+    precision._decode_from_memory(res, caches, q, 48, 1, 1, [])
     assert len(calls) == 2 * 4
     got = {r["slug"] for r in res.rows if r["slug"].startswith("precision.mem.")}
     assert got == {"precision.mem.attend.float32", "precision.mem.attend_floor.float32"}
+    calls.clear()
+    precision._decode_from_memory(res, caches, q, 48, 1, 1, [("sdpa.float32", lambda: None)])
+    assert len(calls) == 3 * 4          # SDPA's call too
+    (r,) = [r for r in res.rows if r["slug"] == "precision.mem.attend_sdpa.float32"]
+    assert r["memory"] and r["floor_vs_sdpa"] > 0
     cache.close()
 
 

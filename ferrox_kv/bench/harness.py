@@ -330,3 +330,12 @@ def evict_caches():
     for t in readers:
         t.join()
     return sum(sums)
+
+
+def best_from_memory(calls, reps):
+    """Microseconds of one call of each (name, fn) of ``calls``, each call
+    timed alone after ``evict_caches``, interleaved, best of 2 * reps + 1
+    (single calls vary more than loops of them). The bench's "from memory"
+    rows."""
+    timed = best_of([(name, evict_caches, lambda _, fn=fn: fn()) for name, fn in calls], 2 * reps + 1)
+    return {k: v * 1e6 for k, v in timed.items()}

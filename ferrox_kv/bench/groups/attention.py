@@ -14,7 +14,7 @@ import ferrox_kv
 from ferrox_kv import KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (ATTN_DIM, ATTN_HEADS, ATTN_KV_HEADS, BLOCK_SIZE, Group,
                                     Threads, heads_first, log, thread_counts, thread_tag)
-from ferrox_kv.bench.harness import best_of, evict_caches, loops_for, scaling
+from ferrox_kv.bench.harness import best_from_memory, best_of, loops_for, scaling
 from ferrox_kv.bench.targets import Figure, Target
 
 
@@ -116,7 +116,9 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch, threads=1):
                 us["attend"], "us/call", us["attend"] / us["floor"], "read floor",
                 read_gbs=gbs["attend"], **extra)
 
-        _from_memory(res, cache, q, out, threads, reps, torch, T)
+        sdpa_once = (None if torch is None else
+                     lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        _from_memory(res, cache, q, out, threads, reps, sdpa_once, T)
 
         if threads > 1:
             one = res.find("attention.attend.vs_floor", context=T, threads=1)
@@ -229,27 +231,23 @@ def bench_attention(res, contexts, reps, target_s, chunk, torch, threads=1):
     assert pool.free_blocks == pool.total_blocks
 
 
-def _from_memory(res, cache, q, out, threads, reps, torch, T):
-    """The decode rows again, each call timed alone after ``evict_caches``:
-    attend, the read floor and SDPA reading K/V from memory, as a model's
-    decode reads each layer's rows (the rows above run calls back to back,
-    so a context that fits the CPU's caches is read from there)."""
+def _from_memory(res, cache, q, out, threads, reps, sdpa_once, T):
+    """The decode rows again, each call timed alone after the caches were
+    evicted (``best_from_memory``): attend, the read floor and SDPA
+    (``sdpa_once``, None without torch) reading K/V from memory, as a
+    model's decode reads each layer's rows (the rows above run calls back
+    to back, so a context that fits the CPU's caches is read from there)."""
     tag = thread_tag(threads)
-    variants = [("attend", evict_caches, lambda _: cache.attend(q, out=out)),
-                ("floor", evict_caches, lambda _: _core._read_floor([cache], 1, threads))]
-    if torch is not None:
-        F = torch.nn.functional
-        kt = heads_first(torch, cache.k)
-        vt = heads_first(torch, cache.v)
-        qt = torch.from_numpy(q)[None, :, None, :]
-        variants.append(("sdpa", evict_caches, lambda _: F.scaled_dot_product_attention(
-            qt, kt, vt, enable_gqa=True)))
-    us = {k: v * 1e6 for k, v in best_of(variants, 2 * reps + 1).items()}   # single calls: more of them
+    calls = [("attend", lambda: cache.attend(q, out=out)),
+             ("floor", lambda: _core._read_floor([cache], 1, threads))]
+    if sdpa_once is not None:
+        calls.append(("sdpa", sdpa_once))
+    us = best_from_memory(calls, reps)
     geo, g = "llama8b", "attention"
     extra = dict(context=T, threads=threads, memory=True)
     res.add(g, geo, "attention.mem.floor", tag + f"read floor from memory @ {T}", us["floor"],
             "us/call", **extra)
-    if torch is not None:
+    if sdpa_once is not None:
         res.add(g, geo, "attention.mem.sdpa", tag + f"SDPA from memory @ {T}", us["sdpa"],
                 "us/call", us["sdpa"] / us["floor"], "read floor from memory", **extra)
         res.add(g, geo, "attention.mem.attend.vs_sdpa", tag + f"attend from memory @ {T}",

@@ -29,7 +29,7 @@ import numpy as np
 from ferrox_kv import DTYPES, KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (BLOCK_SIZE, Group, Threads, Torch1, heads_first, log, thread_counts,
                                     thread_tag, try_import)
-from ferrox_kv.bench.harness import best_of, evict_caches, loops_for
+from ferrox_kv.bench.harness import best_from_memory, best_of, loops_for
 from ferrox_kv.bench.targets import Figure, Target
 
 GEO = "llama8b"
@@ -165,7 +165,8 @@ def _decode_rows(res, contexts, reps, quick, rng, wide, threads, torch=None):
             if wide:
                 variants.append((f"w8.{dt}", lambda: None, lambda _, c=c: _at_width(
                     8, lambda: [c.attend(q, out=out) for _ in range(n)])))
-        variants += _sdpa_variants(torch, K, V, q, n)
+        sdpa = _sdpa_calls(torch, K, V, q)
+        variants += [(name, lambda: None, lambda _, fn=fn: [fn() for _ in range(n)]) for name, fn in sdpa]
         best = best_of(variants, reps)
         us = {k: v / n * 1e6 for k, v in best.items()}
         exact = caches["float32"].attend(q)
@@ -187,22 +188,22 @@ def _decode_rows(res, contexts, reps, quick, rng, wide, threads, torch=None):
                         f"{dt}: decode attend @ {T}, 16-float vs 8-float path", us[dt], "us/call",
                         us[dt] / us[f"w8.{dt}"], "8-float (x86-64-v3) path", context=T, dtype=dt,
                         threads=threads)
-        _decode_from_memory(res, caches, q, K, V, T, reps, threads, torch)
+        _decode_from_memory(res, caches, q, T, reps, threads, sdpa)
         for c in caches.values():
             c.close()
 
 
-def _decode_from_memory(res, caches, q, K, V, T, reps, threads, torch):
-    """The decode rows again, each call timed alone after ``evict_caches``
-    (K/V read from memory, as a model's decode reads each layer's rows)."""
+def _decode_from_memory(res, caches, q, T, reps, threads, sdpa):
+    """The decode rows again, each call timed alone after the caches were
+    evicted (``best_from_memory``: K/V read from memory, as a model's decode
+    reads each layer's rows); ``sdpa``: ``_sdpa_calls``'s."""
     g = "precision"
     tag = thread_tag(threads)
-    variants = []
+    calls = []
     for dt, c in caches.items():
-        variants.append((dt, evict_caches, lambda _, c=c: c.attend(q)))
-        variants.append((f"floor.{dt}", evict_caches, lambda _, c=c: _core._read_floor([c], 1, threads)))
-    variants += [(name, evict_caches, run) for name, _, run in _sdpa_variants(torch, K, V, q, 1)]
-    us = {k: v * 1e6 for k, v in best_of(variants, 2 * reps + 1).items()}   # single calls: more of them
+        calls.append((dt, lambda c=c: c.attend(q)))
+        calls.append((f"floor.{dt}", lambda c=c: _core._read_floor([c], 1, threads)))
+    us = best_from_memory(calls + sdpa, reps)
     at = dict(context=T, threads=threads, memory=True)
     for dt in caches:
         res.add(g, GEO, f"precision.mem.attend.{dt}", tag + f"{dt}: decode attend from memory @ {T}",
@@ -218,9 +219,10 @@ def _decode_from_memory(res, caches, q, K, V, T, reps, threads, torch):
                     floor_vs_sdpa=us[f"floor.{dt}"] / us[f"sdpa.{dt}"], **at)
 
 
-def _sdpa_variants(torch, K, V, q, n):
-    """torch SDPA decode, GQA, on contiguous (1, KVH, T, D) tensors in
-    float32 and in bfloat16 (what DynamicCache hands attention), n calls."""
+def _sdpa_calls(torch, K, V, q):
+    """One torch SDPA decode, GQA, on contiguous (1, KVH, T, D) tensors in
+    float32 and in bfloat16 (what DynamicCache hands attention), as
+    ``(f"sdpa.{dtype}", call)``; none without torch."""
     if torch is None:
         return []
     F = torch.nn.functional
@@ -229,8 +231,8 @@ def _sdpa_variants(torch, K, V, q, n):
         kt = heads_first(torch, K, tdt)
         vt = heads_first(torch, V, tdt)
         qt = torch.from_numpy(q)[None, :, None, :].to(tdt)
-        out.append((f"sdpa.{dt}", lambda: None, lambda _, qt=qt, kt=kt, vt=vt: [
-            F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True) for _ in range(n)]))
+        out.append((f"sdpa.{dt}", lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(
+            qt, kt, vt, enable_gqa=True)))
     return out
 
 
