@@ -484,3 +484,20 @@ def test_large_contiguous_rows_are_a_huge_page_mapping():
     assert ("hg" in flags) == _thp_on()
     assert c.v[0, 0, 0] == 2 and len(c) == 1
     c.close()
+
+
+def test_a_row_buffer_that_cannot_be_mapped_is_a_memory_error_and_changes_nothing():
+    """2**53 bytes exceed any process's address space: the mapping fails,
+    the error names the size, and a live pool and cache are as they were."""
+    pool = KvBlockPool(16, 4, 8, 128)
+    c = KvCache.with_pool(8, 128, pool, 32)
+    c.push(np.ones((8, 128), np.float32), np.ones((8, 128), np.float32))
+    before = (pool.free_blocks, len(c), c.k.copy())
+    with pytest.raises(MemoryError, match="cannot allocate 9007199254740992 bytes"):
+        KvCache.with_capacity(8, 128, 2**40)
+    with pytest.raises(MemoryError, match="cannot allocate a pool of 1048576 blocks"):
+        KvBlockPool(2**16, 2**20, 8, 128)
+    assert (pool.free_blocks, len(c)) == before[:2] and np.array_equal(c.k, before[2])
+    pool.check()
+    c.close()
+    assert pool.free_blocks == pool.total_blocks
