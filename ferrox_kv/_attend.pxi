@@ -298,8 +298,9 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
     cdef size_t q_stride, o_stride, ctx_bytes = 0
     cdef Py_ssize_t* st = NULL
     cdef float* tmp_out = NULL
-    cdef size_t o_bytes
-    cdef bint aliased, out_reads = False
+    cdef void* work = NULL
+    cdef size_t o_bytes, work_bytes
+    cdef bint aliased, out_reads = False, release
     try:
         # 2. validate against the claimed caches
         _check_same_geometry(cl, "caches")
@@ -394,16 +395,26 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         fx_attend_get_split(&split_bytes, &chunk_rows)
         if nthreads > 1 and <Py_ssize_t>ctx_bytes < split_bytes:
             nthreads = 1
-        if <Py_ssize_t>ctx_bytes >= _attend_release_bytes or nthreads > 1:
+        release = <Py_ssize_t>ctx_bytes >= _attend_release_bytes or nthreads > 1
+        if not release:
+            nthreads = 1
+        # the work memory is taken here, with the GIL: no thread without it
+        # allocates while another may fork
+        work_bytes = fx_attend_batch_work(kvs, st, n, &a, nthreads)
+        work = malloc(work_bytes)
+        if work == NULL:
+            raise MemoryError()
+        if release:
             routed = _route_on(nthreads, width)
             try:
                 with nogil:
-                    rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads)
+                    rc = fx_attend_batch_in(kvs, st, n, &a, qp, q_stride, op, o_stride, nthreads,
+                                            work, work_bytes)
             finally:
                 if routed:
                     fx_workers_openmp(0)
         else:
-            rc = fx_attend_batch(kvs, st, n, &a, qp, q_stride, op, o_stride, 1)
+            rc = fx_attend_batch_in(kvs, st, n, &a, qp, q_stride, op, o_stride, 1, work, work_bytes)
         if rc < 0:
             raise MemoryError()
         global _last_threads
@@ -415,6 +426,7 @@ cdef object _attend_call(tuple cl, object q, object scale, object window, object
         free(tmp)
         free(tmp_out)
         free(st)
+        free(work)
         _release_all(cs, n)
     return oa
 

@@ -258,30 +258,27 @@ static void fxp_merge(const fxp_call *c, ptrdiff_t s)
     }
 }
 
-FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
-                           const float *q, size_t q_stride, float *out, size_t o_stride, int threads)
+/* The split of one call on at most `threads` threads (units and their
+   shape in c; returns the units, *slots the threads that run them), from the
+   knobs as they are now. */
+static ptrdiff_t fxp_plan(fxp_call *c, const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                          int threads, int *slots)
 {
-    fxp_call c;
     ptrdiff_t split_bytes, chunk_rows, s, units, want;
     size_t bytes = 0;
-    int slots;
     fx_attend_get_split(&split_bytes, &chunk_rows);
     for (s = 0; s < n; s++) {
         bytes += (size_t)kvs[s].len * (kvs[s].k_row + kvs[s].v_row);
     }
-    memset(&c, 0, sizeof c);
-    c.kvs = kvs;
-    c.starts = starts;
-    c.a = *a;
-    c.q = q;
-    c.out = out;
-    c.q_stride = q_stride;
-    c.o_stride = o_stride;
-    c.hg = a->n_kv_heads;
-    c.nhg = 1;
-    c.qb = a->q_len;
-    c.nqb = 1;
-    c.nch = 1;
+    memset(c, 0, sizeof *c);
+    c->kvs = kvs;
+    c->starts = starts;
+    c->a = *a;
+    c->hg = a->n_kv_heads;
+    c->nhg = 1;
+    c->qb = a->q_len;
+    c->nqb = 1;
+    c->nch = 1;
     if (threads > fx_workers_get()) threads = fx_workers_get();
     if (threads < 2 || bytes < (size_t)split_bytes) threads = 1;
     /* about 4 units per thread.  A decode (q_len 1) splits over sequences,
@@ -296,41 +293,79 @@ FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t 
         if (a->q_len == 1) {
             ptrdiff_t vis = -1;
             for (s = 0; s < n; s++) { /* the shortest visible range bounds the chunk count */
-                const ptrdiff_t v = kvs[s].len - fxp_visible_lo(&c, s);
+                const ptrdiff_t v = kvs[s].len - fxp_visible_lo(c, s);
                 if (vis < 0 || v < vis) vis = v;
             }
-            c.nch = vis / chunk_rows < per_seq ? vis / chunk_rows : per_seq;
-            if (c.nch < 1) c.nch = 1;
-            per_seq = (per_seq + c.nch - 1) / c.nch;
+            c->nch = vis / chunk_rows < per_seq ? vis / chunk_rows : per_seq;
+            if (c->nch < 1) c->nch = 1;
+            per_seq = (per_seq + c->nch - 1) / c->nch;
         }
         if (per_seq > 1) {
-            c.nhg = per_seq < a->n_kv_heads ? (int)per_seq : a->n_kv_heads;
-            c.hg = (a->n_kv_heads + c.nhg - 1) / c.nhg;
-            c.nhg = (a->n_kv_heads + c.hg - 1) / c.hg;
-            per_seq = (per_seq + c.nhg - 1) / c.nhg;
+            c->nhg = per_seq < a->n_kv_heads ? (int)per_seq : a->n_kv_heads;
+            c->hg = (a->n_kv_heads + c->nhg - 1) / c->nhg;
+            c->nhg = (a->n_kv_heads + c->hg - 1) / c->hg;
+            per_seq = (per_seq + c->nhg - 1) / c->nhg;
         }
         if (per_seq > 1 && a->q_len > 1) {
-            c.nqb = (a->q_len + 15) / 16 < per_seq ? (a->q_len + 15) / 16 : per_seq;
-            c.qb = (a->q_len + c.nqb - 1) / c.nqb;
-            c.nqb = (a->q_len + c.qb - 1) / c.qb;
+            c->nqb = (a->q_len + 15) / 16 < per_seq ? (a->q_len + 15) / 16 : per_seq;
+            c->qb = (a->q_len + c->nqb - 1) / c->nqb;
+            c->nqb = (a->q_len + c->qb - 1) / c->qb;
         }
     }
-    units = n * c.nqb * c.nhg * c.nch;
-    slots = threads < units ? threads : (int)units;
-    c.scratch_floats = fx_attend_scratch_floats(a);
-    c.scratch = (float *)malloc(((size_t)slots * c.scratch_floats + 16) * sizeof(float));
-    if (c.nch > 1)
-        c.part = (float *)malloc((size_t)n * (size_t)c.nch * (size_t)a->n_heads * (size_t)(a->v_head_dim + 2) *
-                                 sizeof(float));
-    if (c.scratch == NULL || (c.nch > 1 && c.part == NULL)) {
-        free(c.scratch);
-        free(c.part);
-        return -1;
-    }
+    units = n * c->nqb * c->nhg * c->nch;
+    *slots = threads < units ? threads : (int)units;
+    c->scratch_floats = fx_attend_scratch_floats(a);
+    return units;
+}
+
+/* Floats of work memory a plan needs: scratch per slot, then the chunks'
+   partial results. */
+static size_t fxp_work_floats(const fxp_call *c, ptrdiff_t n, int slots)
+{
+    return (size_t)slots * c->scratch_floats + 16 +
+           (c->nch > 1 ? (size_t)n * (size_t)c->nch * (size_t)c->a.n_heads * (size_t)(c->a.v_head_dim + 2) : 0);
+}
+
+FX_API size_t fx_attend_batch_work(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                                   int threads)
+{
+    fxp_call c;
+    int slots;
+    fxp_plan(&c, kvs, starts, n, a, threads, &slots);
+    return fxp_work_floats(&c, n, slots) * sizeof(float);
+}
+
+FX_API int fx_attend_batch_in(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                              const float *q, size_t q_stride, float *out, size_t o_stride, int threads, void *work,
+                              size_t work_bytes)
+{
+    fxp_call c;
+    ptrdiff_t s, units;
+    int slots;
+    units = fxp_plan(&c, kvs, starts, n, a, threads, &slots);
+    if (fxp_work_floats(&c, n, slots) * sizeof(float) > work_bytes) /* a knob moved since the work was sized */
+        units = fxp_plan(&c, kvs, starts, n, a, 1, &slots);
+    if (fxp_work_floats(&c, n, slots) * sizeof(float) > work_bytes) return -1;
+    c.q = q;
+    c.out = out;
+    c.q_stride = q_stride;
+    c.o_stride = o_stride;
+    c.scratch = (float *)work;
+    c.part = c.nch > 1 ? c.scratch + (size_t)slots * c.scratch_floats + 16 : NULL;
     fx_workers_run(fxp_unit, &c, units, slots);
     if (c.nch > 1)
         for (s = 0; s < n; s++) fxp_merge(&c, s);
-    free(c.scratch);
-    free(c.part);
     return slots;
+}
+
+FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                           const float *q, size_t q_stride, float *out, size_t o_stride, int threads)
+{
+    const size_t bytes = fx_attend_batch_work(kvs, starts, n, a, threads);
+    void *work = malloc(bytes);
+    int rc;
+    if (work == NULL) return -1;
+    rc = fx_attend_batch_in(kvs, starts, n, a, q, q_stride, out, o_stride, threads, work, bytes);
+    free(work);
+    return rc;
 }

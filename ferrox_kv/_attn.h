@@ -77,6 +77,21 @@ FX_API void fx_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, fl
 FX_API int fx_attend_batch(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
                            const float *q, size_t q_stride, float *out, size_t o_stride, int threads);
 
+/* fx_attend_batch in two steps, for callers that must not allocate while
+   they run it (a thread without the GIL may not call malloc while another
+   forks: AddressSanitizer's allocator has no fork handler).
+   fx_attend_batch_work: the bytes of work memory the call would use.
+   fx_attend_batch_in: the call, with work_bytes of the caller's memory at
+   work (any contents, aligned for float).  Where a knob moved in between
+   (the worker count, fx_attend_set_split) and the call's split needs more,
+   it runs on the caller alone; -1 only if work_bytes is short of that too
+   (nothing written). */
+FX_API size_t fx_attend_batch_work(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                                   int threads);
+FX_API int fx_attend_batch_in(const fx_kv *kvs, const ptrdiff_t *starts, ptrdiff_t n, const fx_attn_args *a,
+                              const float *q, size_t q_stride, float *out, size_t o_stride, int threads, void *work,
+                              size_t work_bytes);
+
 /* The split's sizes: calls over fewer context bytes (K and V rows, all
    sequences) than split_bytes run on the caller alone; a decode's context
    chunks hold at least chunk_rows rows.  Tests set (0, 1) to split tiny

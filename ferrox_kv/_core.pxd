@@ -98,9 +98,11 @@ cdef extern from "_attn.h" nogil:
     int fx_attend_set_max_width(int w)
     int fx_attend_set_max_level(int level)
     int fx_attend_set_vnni(int on)
-    int fx_attend_batch(const fx_kv* kvs, const Py_ssize_t* starts, Py_ssize_t n,
-                        const fx_attn_args* a, const float* q, size_t q_stride, float* out,
-                        size_t o_stride, int threads)
+    size_t fx_attend_batch_work(const fx_kv* kvs, const Py_ssize_t* starts, Py_ssize_t n,
+                                const fx_attn_args* a, int threads)
+    int fx_attend_batch_in(const fx_kv* kvs, const Py_ssize_t* starts, Py_ssize_t n,
+                           const fx_attn_args* a, const float* q, size_t q_stride, float* out,
+                           size_t o_stride, int threads, void* work, size_t work_bytes)
     void fx_attend_set_split(Py_ssize_t split_bytes, Py_ssize_t chunk_rows)
     void fx_attend_get_split(Py_ssize_t* split_bytes, Py_ssize_t* chunk_rows)
 

@@ -384,6 +384,55 @@ static void exp_test(void)
     if (max_rel_v > 3e-7 || max_rel_s > 3e-7) { printf("FAIL exp2 accuracy\n"); n_fail++; }
 }
 
+#ifdef TEST_SPLIT
+/* fx_attend_batch_in with the caller's work memory: sized by
+   fx_attend_batch_work it gives fx_attend_batch's bits; short of the split's
+   size but not of the caller-alone plan, it runs alone and gives
+   fx_attend's; short of that too, -1 with out untouched. */
+static void work_memory_cases(void)
+{
+    const int H = 8, Hkv = 2, hd = 64;
+    const ptrdiff_t len = 2000;
+    const size_t row = (size_t)Hkv * hd, nout = (size_t)H * hd;
+    float *k = malloc(sizeof(float) * row * (size_t)len), *v = malloc(sizeof(float) * row * (size_t)len);
+    float *q = malloc(sizeof(float) * nout), *want = malloc(sizeof(float) * nout), *got = alloc_f(nout, PAD);
+    float *sc;
+    fx_kv kv;
+    fx_attn_args a;
+    size_t i, split, alone;
+    void *work;
+    int rc, ok = 1;
+    for (i = 0; i < row * (size_t)len; i++) k[i] = rng_uni(), v[i] = rng_uni();
+    for (i = 0; i < nout; i++) q[i] = rng_uni();
+    memset(&kv, 0, sizeof kv);
+    kv.k = k; kv.v = v; kv.k_row = kv.v_row = row * sizeof(float); kv.len = len; kv.dtype = FX_F32;
+    memset(&a, 0, sizeof a);
+    a.n_kv_heads = Hkv; a.head_dim = a.v_head_dim = hd; a.n_heads = H; a.q_len = 1; a.scale = 0.125f;
+    split = fx_attend_batch_work(&kv, NULL, 1, &a, 3);
+    alone = fx_attend_batch_work(&kv, NULL, 1, &a, 1);
+    work = malloc(split);
+    n_run++;
+    if (split <= alone) { printf("FAIL work memory: the split needs %zu bytes, alone %zu\n", split, alone); ok = 0; }
+    /* sized for the split: fx_attend_batch's bits */
+    fx_attend_batch(&kv, NULL, 1, &a, q, 0, want, 0, 3);
+    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, split);
+    if (rc != 3 || memcmp(got, want, sizeof(float) * nout) != 0) { printf("FAIL work memory: sized, rc %d\n", rc); ok = 0; }
+    /* short of the split: the caller alone, fx_attend's bits */
+    sc = malloc(sizeof(float) * fx_attend_scratch_floats(&a));
+    fx_attend(&kv, &a, q, want, sc);
+    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, split - 4);
+    if (rc != 1 || memcmp(got, want, sizeof(float) * nout) != 0) { printf("FAIL work memory: short, rc %d\n", rc); ok = 0; }
+    /* short of both: -1, out untouched */
+    for (i = 0; i < nout; i++) got[i] = NAN;
+    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, alone - 4);
+    for (i = 0; i < nout && rc == -1; i++) if (got[i] == got[i]) rc = -2;
+    if (rc != -1 || !canary_ok(got, nout, PAD)) { printf("FAIL work memory: too short, rc %d\n", rc); ok = 0; }
+    if (!ok) n_fail++;
+    printf("work memory: split %zu bytes, alone %zu: %s\n", split, alone, ok ? "ok" : "FAIL");
+    free(k); free(v); free(q); free(want); free(got); free(sc); free(work);
+}
+#endif
+
 int conv_tests(void); /* test_conv.c */
 int pf_tests(void);   /* test_pf.c */
 
@@ -551,6 +600,9 @@ int main(void)
     }
     }
 
+#ifdef TEST_SPLIT
+    work_memory_cases(); /* the split's knobs as its pass left them: 3 workers, 1-row chunks */
+#endif
     printf("large-magnitude cases: worst err/A %.3g\n", worst_large);
     printf("%d cases, %d failed; ordinary cases: worst err/A %.3g (rtol %.0e); all cases: worst err/tol %.3g\n",
            n_run, n_fail, worst, RTOL, worst_ratio);
