@@ -469,6 +469,22 @@ def test_a_from_memory_sdpa_miss_is_the_hardwares_where_the_read_floor_misses_to
     assert f"the read floor vs SDPA {floor}" in v.hint
 
 
+@pytest.mark.parametrize("slug,group", [("hf.ferrox.vs_dynamic", "hf"), ("precision.hf_bf16", "precision")])
+@pytest.mark.parametrize("bound_ratio,bound", [(0.65, True), (0.55, False)])
+def test_an_hf_miss_is_the_hardwares_where_floor_plus_kv_read_misses_too(slug, group, bound_ratio, bound):
+    """The model's per-token floor plus the K/V read from memory, over
+    DynamicCache's step, is the least a step can take: a miss is the
+    hardware's only where that misses the goal (0.6 at 2048) too."""
+    import importlib
+    targets = importlib.import_module(f"ferrox_kv.bench.groups.{group}").targets
+    res = Results()
+    res.add(group, "llama-2L", slug, "a", 10.0, "ms/token", 0.7, "DynamicCache", context=2048,
+            threads=2, floor_ms=5.0, kv_floor_ms=1.0, bound_ratio=bound_ratio)
+    (v,) = [v for v in evaluate(targets(res), res) if v.verdict and v.target.slug == slug]
+    assert v.verdict == "MISSED" and v.hardware_bound is bound
+    assert f"model floor + K/V read from memory, vs DynamicCache {bound_ratio:.3f}x" in v.hint
+
+
 def test_llc_bytes_takes_the_largest_cache_of_sysfs(tmp_path):
     from ferrox_kv.bench.harness import llc_bytes
     for name, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "480M"), ("junk", "x")):

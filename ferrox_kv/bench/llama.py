@@ -9,6 +9,7 @@ the same random K/V (``cache.update`` per layer, the way the model's own
 layers store a prompt), then real decode steps of the model are timed. One
 model serves every variant (its attention implementation is switched between
 them), so the weights are the same."""
+import functools
 import gc
 import time
 
@@ -82,3 +83,26 @@ def best_decode(model, variants, kv, tokens, first, reps):
             del cache
     model.set_attn_implementation("sdpa")
     return best, logits
+
+
+def kv_read_floor_ms(layers, h, d, ctx, dtype, threads, reps):
+    """Milliseconds to read from memory the K/V bytes one decode step reads:
+    every layer's ``ctx`` positions, pooled in ``dtype`` as FerroxCache stores
+    them, on ``threads`` threads (``_read_floor``, timed alone after an
+    eviction: a step meets its rows in memory). With the model's per-token
+    floor it bounds a step from below: both are reads from memory."""
+    import numpy as np
+
+    from ferrox_kv import KvBlockPool, KvCache, _core
+    from ferrox_kv.bench.harness import best_from_memory
+    pool = KvBlockPool(16, layers * -(-ctx // 16), h, d, dtype=dtype)
+    caches = [KvCache.with_pool(h, d, pool, ctx) for _ in range(layers)]
+    rows = np.zeros((ctx, h, d), np.float32)
+    for c in caches:
+        c.extend(rows, rows)
+    del c
+    read = functools.partial(_core._read_floor, caches, 1, threads)
+    us = best_from_memory([("floor", read)], reps)["floor"]
+    caches.clear()
+    assert pool.free_blocks == pool.total_blocks
+    return us / 1e3

@@ -45,6 +45,14 @@ class Target:
     value: Callable | None = None   # computes the value from the results instead
 
 
+def step_bound(slug, at):
+    """A model row's least step (its per-token floor plus its K/V read from
+    memory, the row's ``bound_ratio``) over DynamicCache's step: a miss is
+    hardware-bound where this misses the goal too."""
+    return Figure("model floor + K/V read from memory, vs DynamicCache", slug, at, field="bound_ratio",
+                  unit="x")
+
+
 @dataclass
 class Verdict:
     target: Target

@@ -2,9 +2,16 @@
 ``FerroxCache`` (pooled, read in place by the "ferrox" attention) against
 ``DynamicCache`` and ``StaticCache`` with SDPA (transformers' default
 attention), at 1 and N torch threads (the ferrox attention follows torch's
-count). Needs torch and transformers (the model: ``llama.py``)."""
+count). Each FerroxCache row also carries the least a step can take: the
+model's per-token floor (a pass at a ``FLOOR_CONTEXT``-position context,
+the fastest variant's) plus a read from memory of the K/V bytes the step
+reads (``kv_read_floor_ms``), as ``bound_ratio`` against DynamicCache: a
+goal below it is out of reach on this machine. Needs torch and
+transformers (the model: ``llama.py``)."""
 from ferrox_kv.bench.common import Group, Threads, log, thread_counts, thread_tag
-from ferrox_kv.bench.targets import Figure, Target
+from ferrox_kv.bench.targets import Figure, Target, step_bound
+
+FLOOR_CONTEXT = 16      # the per-token floor's context: next to no attention
 
 
 def bench_hf(res, contexts, quick=False, log=print, threads=1):
@@ -13,7 +20,7 @@ def bench_hf(res, contexts, quick=False, log=print, threads=1):
 
     import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
     from ferrox_kv import KvBlockPool
-    from ferrox_kv.bench.llama import best_decode, make_model
+    from ferrox_kv.bench.llama import best_decode, kv_read_floor_ms, make_model
     from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
 
     tokens = 8 if quick else 16
@@ -28,7 +35,8 @@ def bench_hf(res, contexts, quick=False, log=print, threads=1):
     # the embedding table, of which it reads one row
     weights_mb = sum(p.numel() for n, p in model.named_parameters()
                      if "embed_tokens" not in n) * 4 / 1e6
-    for ctx in contexts:
+    floor = None
+    for ctx in [FLOOR_CONTEXT] + list(contexts):
         max_len = ctx + tokens + 2
         gen = torch.Generator().manual_seed(ctx)
         kv = [(torch.randn(1, h, ctx, d, generator=gen), torch.randn(1, h, ctx, d, generator=gen))
@@ -46,18 +54,23 @@ def bench_hf(res, contexts, quick=False, log=print, threads=1):
         log(f"hf decode @ {ctx}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
             + f" (first-step logits, max |ferrox - DynamicCache| {diff['ferrox']:.6f})")
         ms = {k: v * 1e3 for k, v in best.items()}
+        assert pool.free_blocks == pool.total_blocks
+        if floor is None:
+            floor = min(ms.values())
+            continue
+        kv_floor = kv_read_floor_ms(layers, h, d, ctx, "float32", threads, reps)
         extra = dict(context=ctx, tokens=tokens, weights_read_mb=weights_mb, threads=threads)
         res.add(g, geo, "hf.dynamic", tag + f"DynamicCache + SDPA @ {ctx}", ms["dynamic"],
                 "ms/token", **extra)
         res.add(g, geo, "hf.ferrox.vs_dynamic", tag + f"FerroxCache pooled + ferrox attn @ {ctx}",
                 ms["ferrox"], "ms/token", ms["ferrox"] / ms["dynamic"], "DynamicCache",
-                logits_max_diff=diff["ferrox"], **extra)
+                logits_max_diff=diff["ferrox"], floor_ms=floor, kv_floor_ms=kv_floor,
+                bound_ratio=(floor + kv_floor) / ms["dynamic"], **extra)
         res.add(g, geo, "hf.ferrox.vs_static", tag + f"FerroxCache pooled + ferrox attn @ {ctx}",
                 ms["ferrox"], "ms/token", ms["ferrox"] / ms["static"], "StaticCache", **extra)
         res.add(g, geo, "hf.static.vs_dynamic", tag + f"StaticCache + SDPA @ {ctx}", ms["static"],
                 "ms/token", ms["static"] / ms["dynamic"], "DynamicCache",
                 logits_max_diff=diff["static"], **extra)
-        assert pool.free_blocks == pool.total_blocks
 
 
 def run(r):
@@ -85,7 +98,8 @@ def targets(res):
             out.append(Target(lead + f"FerroxCache / DynamicCache per token @ {T}", r["slug"],
                               "<=" if goal else "info", goal, at,
                               related=[Figure("attention alone vs SDPA",
-                                              "attention.attend.vs_sdpa", at, unit="x")]))
+                                              "attention.attend.vs_sdpa", at, unit="x")],
+                              bound_by=step_bound(r["slug"], at)))
         elif r["slug"] == "hf.static.vs_dynamic":
             out.append(Target(lead + f"  StaticCache / DynamicCache per token @ {r['context']}",
                               r["slug"], "info", None, {"context": r["context"], "threads": n}))
