@@ -266,6 +266,7 @@ static ptrdiff_t fxp_plan(fxp_call *c, const fx_kv *kvs, const ptrdiff_t *starts
 {
     ptrdiff_t split_bytes, chunk_rows, s, units, want;
     size_t bytes = 0;
+    int workers;
     fx_attend_get_split(&split_bytes, &chunk_rows);
     for (s = 0; s < n; s++) {
         bytes += (size_t)kvs[s].len * (kvs[s].k_row + kvs[s].v_row);
@@ -279,7 +280,8 @@ static ptrdiff_t fxp_plan(fxp_call *c, const fx_kv *kvs, const ptrdiff_t *starts
     c->qb = a->q_len;
     c->nqb = 1;
     c->nch = 1;
-    if (threads > fx_workers_get()) threads = fx_workers_get();
+    workers = fx_workers_get(); /* read once: another thread may set it */
+    if (threads > workers) threads = workers;
     if (threads < 2 || bytes < (size_t)split_bytes) threads = 1;
     /* about 4 units per thread.  A decode (q_len 1) splits over sequences,
        then chunks of >= chunk_rows rows of the context, then kv heads: a

@@ -387,8 +387,9 @@ static void exp_test(void)
 #ifdef TEST_SPLIT
 /* fx_attend_batch_in with the caller's work memory: sized by
    fx_attend_batch_work it gives fx_attend_batch's bits; short of the split's
-   size but not of the caller-alone plan, it runs alone and gives
-   fx_attend's; short of that too, -1 with out untouched. */
+   size but not of the caller-alone plan (exactly that much), it runs alone
+   and gives fx_attend's; short of that too, -1 with out untouched.  Each
+   buffer is exactly work_bytes long with a canary after it. */
 static void work_memory_cases(void)
 {
     const int H = 8, Hkv = 2, hd = 64;
@@ -396,11 +397,10 @@ static void work_memory_cases(void)
     const size_t row = (size_t)Hkv * hd, nout = (size_t)H * hd;
     float *k = malloc(sizeof(float) * row * (size_t)len), *v = malloc(sizeof(float) * row * (size_t)len);
     float *q = malloc(sizeof(float) * nout), *want = malloc(sizeof(float) * nout), *got = alloc_f(nout, PAD);
-    float *sc;
+    float *sc, *work;
     fx_kv kv;
     fx_attn_args a;
     size_t i, split, alone;
-    void *work;
     int rc, ok = 1;
     for (i = 0; i < row * (size_t)len; i++) k[i] = rng_uni(), v[i] = rng_uni();
     for (i = 0; i < nout; i++) q[i] = rng_uni();
@@ -410,23 +410,38 @@ static void work_memory_cases(void)
     a.n_kv_heads = Hkv; a.head_dim = a.v_head_dim = hd; a.n_heads = H; a.q_len = 1; a.scale = 0.125f;
     split = fx_attend_batch_work(&kv, NULL, 1, &a, 3);
     alone = fx_attend_batch_work(&kv, NULL, 1, &a, 1);
-    work = malloc(split);
     n_run++;
-    if (split <= alone) { printf("FAIL work memory: the split needs %zu bytes, alone %zu\n", split, alone); ok = 0; }
+    if (split <= alone || split % sizeof(float) || alone % sizeof(float)) {
+        printf("FAIL work memory: the split needs %zu bytes, alone %zu\n", split, alone);
+        ok = 0;
+    }
     /* sized for the split: fx_attend_batch's bits */
+    work = alloc_f(split / sizeof(float), PAD);
     fx_attend_batch(&kv, NULL, 1, &a, q, 0, want, 0, 3);
     rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, split);
-    if (rc != 3 || memcmp(got, want, sizeof(float) * nout) != 0) { printf("FAIL work memory: sized, rc %d\n", rc); ok = 0; }
-    /* short of the split: the caller alone, fx_attend's bits */
+    if (rc != 3 || memcmp(got, want, sizeof(float) * nout) != 0 || !canary_ok(work, split / sizeof(float), PAD)) {
+        printf("FAIL work memory: sized, rc %d\n", rc);
+        ok = 0;
+    }
+    free(work);
+    /* exactly the caller-alone size: one thread, fx_attend's bits */
+    work = alloc_f(alone / sizeof(float), PAD);
     sc = malloc(sizeof(float) * fx_attend_scratch_floats(&a));
     fx_attend(&kv, &a, q, want, sc);
-    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, split - 4);
-    if (rc != 1 || memcmp(got, want, sizeof(float) * nout) != 0) { printf("FAIL work memory: short, rc %d\n", rc); ok = 0; }
+    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, alone);
+    if (rc != 1 || memcmp(got, want, sizeof(float) * nout) != 0 || !canary_ok(work, alone / sizeof(float), PAD)) {
+        printf("FAIL work memory: alone, rc %d\n", rc);
+        ok = 0;
+    }
     /* short of both: -1, out untouched */
     for (i = 0; i < nout; i++) got[i] = NAN;
-    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, alone - 4);
-    for (i = 0; i < nout && rc == -1; i++) if (got[i] == got[i]) rc = -2;
-    if (rc != -1 || !canary_ok(got, nout, PAD)) { printf("FAIL work memory: too short, rc %d\n", rc); ok = 0; }
+    rc = fx_attend_batch_in(&kv, NULL, 1, &a, q, 0, got, 0, 3, work, alone - sizeof(float));
+    for (i = 0; i < nout && rc == -1; i++)
+        if (got[i] == got[i]) rc = -2;
+    if (rc != -1 || !canary_ok(got, nout, PAD)) {
+        printf("FAIL work memory: too short, rc %d\n", rc);
+        ok = 0;
+    }
     if (!ok) n_fail++;
     printf("work memory: split %zu bytes, alone %zu: %s\n", split, alone, ok ? "ok" : "FAIL");
     free(k); free(v); free(q); free(want); free(got); free(sc); free(work);
