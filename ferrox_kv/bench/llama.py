@@ -13,6 +13,8 @@ import functools
 import gc
 import time
 
+FLOOR_CONTEXT = 16      # the per-token floor's context: next to no attention
+
 LLAMA = dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 
@@ -85,24 +87,28 @@ def best_decode(model, variants, kv, tokens, first, reps):
     return best, logits
 
 
-def kv_read_floor_ms(layers, h, d, ctx, dtype, threads, reps):
-    """Milliseconds to read from memory the K/V bytes one decode step reads:
-    every layer's ``ctx`` positions, pooled in ``dtype`` as FerroxCache stores
-    them, on ``threads`` threads (``_read_floor``, timed alone after an
-    eviction: a step meets its rows in memory). With the model's per-token
-    floor it bounds a step from below: both are reads from memory."""
+def step_bound_fields(layers, h, d, ctx, dtype, threads, reps, floor_ms, dynamic_ms):
+    """The fields of a model row that bound its step from below:
+    ``floor_ms`` (the model's per-token time at ``FLOOR_CONTEXT``
+    positions), ``kv_floor_ms`` (reading from memory the K/V bytes one step
+    reads: every layer's ``ctx`` positions, pooled in ``dtype`` as
+    FerroxCache stores them, ``_read_floor`` on ``threads`` threads timed
+    alone after an eviction) and ``bound_ratio``, their sum over
+    DynamicCache's step: both are reads from memory, so no step takes
+    less."""
     import numpy as np
 
     from ferrox_kv import KvBlockPool, KvCache, _core
+    from ferrox_kv.bench.common import BLOCK_SIZE
     from ferrox_kv.bench.harness import best_from_memory
-    pool = KvBlockPool(16, layers * -(-ctx // 16), h, d, dtype=dtype)
+    pool = KvBlockPool(BLOCK_SIZE, layers * -(-ctx // BLOCK_SIZE), h, d, dtype=dtype)
     caches = [KvCache.with_pool(h, d, pool, ctx) for _ in range(layers)]
     rows = np.zeros((ctx, h, d), np.float32)
     for c in caches:
         c.extend(rows, rows)
-    del c
     read = functools.partial(_core._read_floor, caches, 1, threads)
-    us = best_from_memory([("floor", read)], reps)["floor"]
-    caches.clear()
+    kv_ms = best_from_memory([("floor", read)], reps)["floor"] / 1e3
+    for c in caches:
+        c.close()
     assert pool.free_blocks == pool.total_blocks
-    return us / 1e3
+    return dict(floor_ms=floor_ms, kv_floor_ms=kv_ms, bound_ratio=(floor_ms + kv_ms) / dynamic_ms)

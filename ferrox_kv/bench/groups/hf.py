@@ -5,13 +5,12 @@ attention), at 1 and N torch threads (the ferrox attention follows torch's
 count). Each FerroxCache row also carries the least a step can take: the
 model's per-token floor (a pass at a ``FLOOR_CONTEXT``-position context,
 the fastest variant's) plus a read from memory of the K/V bytes the step
-reads (``kv_read_floor_ms``), as ``bound_ratio`` against DynamicCache: a
+reads (``llama.step_bound_fields``), as ``bound_ratio`` against DynamicCache: a
 goal below it is out of reach on this machine. Needs torch and
 transformers (the model: ``llama.py``)."""
 from ferrox_kv.bench.common import Group, Threads, log, thread_counts, thread_tag
+from ferrox_kv.bench.llama import FLOOR_CONTEXT
 from ferrox_kv.bench.targets import Figure, Target, step_bound
-
-FLOOR_CONTEXT = 16      # the per-token floor's context: next to no attention
 
 
 def bench_hf(res, contexts, quick=False, log=print, threads=1):
@@ -20,7 +19,7 @@ def bench_hf(res, contexts, quick=False, log=print, threads=1):
 
     import ferrox_kv.hf  # noqa: F401  (registers the "ferrox" attention)
     from ferrox_kv import KvBlockPool
-    from ferrox_kv.bench.llama import best_decode, kv_read_floor_ms, make_model
+    from ferrox_kv.bench.llama import best_decode, make_model, step_bound_fields
     from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
 
     tokens = 8 if quick else 16
@@ -58,14 +57,14 @@ def bench_hf(res, contexts, quick=False, log=print, threads=1):
         if floor is None:
             floor = min(ms.values())
             continue
-        kv_floor = kv_read_floor_ms(layers, h, d, ctx, "float32", threads, reps)
         extra = dict(context=ctx, tokens=tokens, weights_read_mb=weights_mb, threads=threads)
         res.add(g, geo, "hf.dynamic", tag + f"DynamicCache + SDPA @ {ctx}", ms["dynamic"],
                 "ms/token", **extra)
         res.add(g, geo, "hf.ferrox.vs_dynamic", tag + f"FerroxCache pooled + ferrox attn @ {ctx}",
                 ms["ferrox"], "ms/token", ms["ferrox"] / ms["dynamic"], "DynamicCache",
-                logits_max_diff=diff["ferrox"], floor_ms=floor, kv_floor_ms=kv_floor,
-                bound_ratio=(floor + kv_floor) / ms["dynamic"], **extra)
+                logits_max_diff=diff["ferrox"],
+                **step_bound_fields(layers, h, d, ctx, "float32", threads, reps, floor, ms["dynamic"]),
+                **extra)
         res.add(g, geo, "hf.ferrox.vs_static", tag + f"FerroxCache pooled + ferrox attn @ {ctx}",
                 ms["ferrox"], "ms/token", ms["ferrox"] / ms["static"], "StaticCache", **extra)
         res.add(g, geo, "hf.static.vs_dynamic", tag + f"StaticCache + SDPA @ {ctx}", ms["static"],

@@ -30,6 +30,7 @@ from ferrox_kv import DTYPES, KvBlockPool, KvCache, _core
 from ferrox_kv.bench.common import (BLOCK_SIZE, Group, Threads, Torch1, heads_first, log, thread_counts,
                                     thread_tag, try_import)
 from ferrox_kv.bench.harness import best_from_memory, best_of, loops_for
+from ferrox_kv.bench.llama import FLOOR_CONTEXT
 from ferrox_kv.bench.targets import Figure, Target, step_bound
 
 GEO = "llama8b"
@@ -133,9 +134,6 @@ def bench_precision(res, quick=False, reps=5, torch=None, threads=(1,)):
                         best["attend"] * 1e6, "us/call", best["attend"] / best["w8"],
                         "8-float (x86-64-v3) path", dtype=dt)
     return res
-
-
-FLOOR_CONTEXT = 16
 
 
 def _decode_rows(res, contexts, reps, quick, rng, wide, threads, torch=None):
@@ -247,7 +245,7 @@ def bench_hf_bf16(res, contexts, quick=False, threads=1):
     import torch
     from transformers import DynamicCache
 
-    from ferrox_kv.bench.llama import best_decode, kv_read_floor_ms, make_model
+    from ferrox_kv.bench.llama import best_decode, make_model, step_bound_fields
     from ferrox_kv.hf import ATTENTION, FerroxCache, kv_geometry
 
     tokens = 8 if quick else 16
@@ -276,12 +274,11 @@ def bench_hf_bf16(res, contexts, quick=False, threads=1):
         if floor is None:
             floor = min(ms.values())
             continue
-        kv_floor = kv_read_floor_ms(layers, h, d, ctx, "bfloat16", threads, reps)
         res.add("precision", f"llama-{layers}L", "precision.hf_bf16",
                 tag + f"bf16 model, FerroxCache auto + ferrox attn @ {ctx}", ms["ferrox"], "ms/token",
                 ms["ferrox"] / ms["dynamic"], "DynamicCache + SDPA, bf16", context=ctx,
-                dynamic_ms=ms["dynamic"], floor_ms=floor, kv_floor_ms=kv_floor,
-                bound_ratio=(floor + kv_floor) / ms["dynamic"], tokens=tokens, threads=threads)
+                dynamic_ms=ms["dynamic"], tokens=tokens, threads=threads,
+                **step_bound_fields(layers, h, d, ctx, "bfloat16", threads, reps, floor, ms["dynamic"]))
         res.add("precision", f"llama-{layers}L", "precision.hf_bf16_attn",
                 tag + f"bf16 model, per token above the {FLOOR_CONTEXT}-position floor @ {ctx}",
                 ms["ferrox"] - floor, "ms/token",
