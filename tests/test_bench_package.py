@@ -473,8 +473,8 @@ def test_a_from_memory_sdpa_miss_is_the_hardwares_where_the_read_floor_misses_to
 @pytest.mark.parametrize("bound_ratio,bound", [(0.65, True), (0.55, False)])
 def test_an_hf_miss_is_the_hardwares_where_floor_plus_kv_read_misses_too(slug, group, bound_ratio, bound):
     """The model's per-token floor plus the K/V read from memory, over
-    DynamicCache's step, is the least a step can take: a miss is the
-    hardware's only where that misses the goal (0.6 at 2048) too."""
+    DynamicCache's step, estimates the least a step can take: a miss is
+    the hardware's only where that misses the goal (0.6 at 2048) too."""
     import importlib
     targets = importlib.import_module(f"ferrox_kv.bench.groups.{group}").targets
     res = Results()

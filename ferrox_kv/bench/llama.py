@@ -94,8 +94,9 @@ def step_bound_fields(layers, h, d, ctx, dtype, threads, reps, floor_ms, dynamic
     reads: every layer's ``ctx`` positions, pooled in ``dtype`` as
     FerroxCache stores them, ``_read_floor`` on ``threads`` threads timed
     alone after an eviction) and ``bound_ratio``, their sum over
-    DynamicCache's step: both are reads from memory, so no step takes
-    less."""
+    DynamicCache's step. Both are reads from memory, timed apart: a step
+    that overlaps them a little can come in under their sum, so it is an
+    estimate of the least a step takes, not a proof."""
     import numpy as np
 
     from ferrox_kv import KvBlockPool, KvCache, _core

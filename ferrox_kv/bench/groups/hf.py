@@ -2,11 +2,12 @@
 ``FerroxCache`` (pooled, read in place by the "ferrox" attention) against
 ``DynamicCache`` and ``StaticCache`` with SDPA (transformers' default
 attention), at 1 and N torch threads (the ferrox attention follows torch's
-count). Each FerroxCache row also carries the least a step can take: the
-model's per-token floor (a pass at a ``FLOOR_CONTEXT``-position context,
-the fastest variant's) plus a read from memory of the K/V bytes the step
-reads (``llama.step_bound_fields``), as ``bound_ratio`` against DynamicCache: a
-goal below it is out of reach on this machine. Needs torch and
+count). Each FerroxCache row also carries an estimate of the least a step
+can take: the model's per-token floor (a pass at a ``FLOOR_CONTEXT``-position
+context, the fastest variant's) plus a read from memory of the K/V bytes the
+step reads (``llama.step_bound_fields``), as ``bound_ratio`` against
+DynamicCache: a goal below it is out of reach on this machine by that
+estimate (docs/benchmarks.md). Needs torch and
 transformers (the model: ``llama.py``)."""
 from ferrox_kv.bench.common import Group, Threads, log, thread_counts, thread_tag
 from ferrox_kv.bench.llama import FLOOR_CONTEXT
