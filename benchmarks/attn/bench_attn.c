@@ -9,6 +9,8 @@
  *   base    fx_attend capped to the x86-64 baseline (SSE2) instantiation
  *   v3      fx_attend capped to x86-64-v3 on 8-float vectors
  * Each figure: best over ROUNDS rounds of (mean of REPS calls).
+ * K/V buffers come from the library's arena allocator (fx_big_alloc: 2 MiB
+ * aligned, advised for huge pages), so rows sit on the pages a pool's do.
  * Usage: bench_attn [rounds] [paged|contig] [ctx:q_len[:H:Hkv:head_dim] ...]
  *        bench_attn exp      (exp approximation vs libm expf)
  *        bench_attn dtypes [rounds] [ctx ...]   (every storage dtype, decode:
@@ -18,7 +20,7 @@
  *                             calls back to back and 1 ms apart)
  *   default: 30 paged 512:1 2048:1 8192:1 2048:256
  */
-#define _POSIX_C_SOURCE 199309L
+#define _DEFAULT_SOURCE /* clock_gettime, nanosleep, and MAP_ANONYMOUS for _fx.h */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +28,10 @@
 #include <time.h>
 
 #include "_attn_kernel.h" /* the tuning knobs it prints */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-variable" /* the module's build strings and registry lock */
+#include "_fx.h" /* fx_big_alloc: K/V on the pages the library's arenas get */
+#pragma GCC diagnostic pop
 #include "_workers.h"
 
 void clones_attend(const fx_kv *kv, const fx_attn_args *a, const float *q, float *out, float *scratch);
@@ -85,7 +91,8 @@ static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, i
     const int bs = 16;
     const int nblocks = (int)(ctx / bs);
     const size_t row = (size_t)Hkv * hd;
-    float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
+    const size_t kvb = sizeof(float) * (size_t)ctx * row;
+    float *k = fx_big_alloc(kvb, 0), *v = fx_big_alloc(kvb, 0);
     float *q = malloc(sizeof(float) * (size_t)q_len * H * hd), *out[NV];
     int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
     fx_kv kv;
@@ -146,7 +153,7 @@ static void run(ptrdiff_t ctx, ptrdiff_t q_len, int contig, int rounds, int H, i
                2.0 * ctx * row * 4 / best[w] * 1e-9);
     fflush(stdout);
     for (w = 0; w < NV; w++) free(out[w]);
-    free(k); free(v); free(q); free(table); free(sc);
+    fx_big_free(k, kvb); fx_big_free(v, kvb); free(q); free(table); free(sc);
 }
 
 /* ns per element: fxa_exp2 (clones build) vs libm expf, on 4096 scores - max */
@@ -202,7 +209,8 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
     static const char *dn[5] = {"float32", "float16", "bfloat16", "int8", "int8 -vnni"};
     const int bs = 16, nblocks = (int)(ctx / bs);
     const size_t row = (size_t)Hkv * hd;
-    float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
+    const size_t kvb = sizeof(float) * (size_t)ctx * row;
+    float *k = fx_big_alloc(kvb, 0), *v = fx_big_alloc(kvb, 0);
     float *q = malloc(sizeof(float) * (size_t)H * hd), *out = malloc(sizeof(float) * (size_t)H * hd), *sc;
     int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
     char *ks[4], *vs[4];
@@ -213,8 +221,8 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
     attn_setup(k, v, (size_t)ctx * row, q, 1, table, nblocks, &a, H, Hkv, hd);
     for (dt = 0; dt < 4; dt++) {
         const size_t rb = fx_row_bytes(Hkv, hd, dt);
-        ks[dt] = malloc(rb * (size_t)ctx);
-        vs[dt] = malloc(rb * (size_t)ctx);
+        ks[dt] = fx_big_alloc(rb * (size_t)ctx, 0);
+        vs[dt] = fx_big_alloc(rb * (size_t)ctx, 0);
         clones_from_f32(ks[dt], rb, k, row, ctx, Hkv, hd, dt);
         clones_from_f32(vs[dt], rb, v, row, ctx, Hkv, hd, dt);
         kv[dt].k = ks[dt]; kv[dt].v = vs[dt]; kv[dt].table = table; kv[dt].block_size = bs;
@@ -259,8 +267,11 @@ static void run_dtypes(ptrdiff_t ctx, int rounds, int H, int Hkv, int hd)
         fx_attend_set_vnni(vnni);
     }
     fflush(stdout);
-    for (dt = 0; dt < 4; dt++) { free(ks[dt]); free(vs[dt]); }
-    free(k); free(v); free(q); free(out); free(table); free(sc);
+    for (dt = 0; dt < 4; dt++) {
+        fx_big_free(ks[dt], fx_row_bytes(Hkv, hd, dt) * (size_t)ctx);
+        fx_big_free(vs[dt], fx_row_bytes(Hkv, hd, dt) * (size_t)ctx);
+    }
+    fx_big_free(k, kvb); fx_big_free(v, kvb); free(q); free(out); free(table); free(sc);
 }
 
 /* One float32 decode (paged, bs 16, shuffled) through fx_attend_batch at
@@ -271,7 +282,8 @@ static void run_split(ptrdiff_t ctx, int rounds, int threads)
 {
     const int H = 32, Hkv = 8, hd = 128, bs = 16, nblocks = (int)(ctx / bs);
     const size_t row = (size_t)Hkv * hd;
-    float *k = malloc(sizeof(float) * (size_t)ctx * row), *v = malloc(sizeof(float) * (size_t)ctx * row);
+    const size_t kvb = sizeof(float) * (size_t)ctx * row;
+    float *k = fx_big_alloc(kvb, 0), *v = fx_big_alloc(kvb, 0);
     float *q = malloc(sizeof(float) * (size_t)H * hd), *out = malloc(sizeof(float) * (size_t)H * hd);
     int32_t *table = malloc(sizeof(int32_t) * (size_t)nblocks);
     const struct timespec pause = {0, 1000000};
@@ -304,7 +316,7 @@ static void run_split(ptrdiff_t ctx, int rounds, int threads)
     printf("   1 ms apart     1 thread %8.1f  %d threads %8.1f  ratio %.3f\n", best[2] * 1e6, threads,
            best[3] * 1e6, best[3] / best[2]);
     fflush(stdout);
-    free(k); free(v); free(q); free(out); free(table);
+    fx_big_free(k, kvb); fx_big_free(v, kvb); free(q); free(out); free(table);
 }
 
 int main(int argc, char **argv)
